@@ -1,0 +1,53 @@
+"""All settings of a node in one typed place; the CLI fills it, nothing else reads flags."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def default_state_dir() -> str:
+    return os.environ.get("NODE_STATE_DIR", str(Path.home() / ".local" / "share" / "volunteer-node"))
+
+
+@dataclass
+class NodeConfig:
+    # swarm membership
+    peers: list[str] = field(default_factory=list)
+    run_id: str = "default"
+    stage: str = "auto"  # auto | stage index
+    circuit: str = "fast"
+    # network
+    host: str = "127.0.0.1"
+    port: int = 0
+    announce_maddrs: list[str] = field(default_factory=list)
+    identity: str | None = None
+    client_mode: bool = False
+    use_relay: bool = True
+    use_auto_relay: bool = False
+    p2pd_timeout: float = 15.0  # p2pd start-up; the most common failure of hivemind swarms
+    join_timeout: float = 30.0  # reaching the bootstrap peers and reading the run record
+    hop_timeout: float = 30.0  # one hop's compute + reply, multiplied by the hops still ahead
+    # the run (used when this node starts a new swarm; joiners read it from the DHT)
+    model: str = "bundled"
+    stages: int = 2
+    codec: str = "dense"
+    wire_dtype: str = "bfloat16"
+    seed: int = 0
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    seq_len: int = 64
+    microbatch: int = 8
+    batch_tokens: int = 192
+    # this node
+    data: str = "arithmetic"
+    device: str = "auto"
+    threads: int = 0  # torch threads; 0 = torch's default
+    max_inflight: int = 4
+    max_steps: int = 0  # stop after this many inner steps (0 = run until stopped)
+    state_dir: str = field(default_factory=default_state_dir)
+    metrics_file: str | None = None
+    ready_file: str | None = None  # written once the stage is claimed (used by `swarm`)
+    heartbeat_s: float = 2.0

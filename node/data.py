@@ -1,0 +1,117 @@
+"""Training data for the head stage: examples -> right-padded microbatches with labels.
+
+Sources: the built-in ``arithmetic`` task (2-digit addition, generated offline), a JSONL
+file of ``{"text": ...}`` or ``{"prompt": ..., "completion": ...}`` records, or plain text.
+Prompt/completion examples carry loss on the completion only.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from node.stages import IGNORE_INDEX
+
+BUILTIN = "arithmetic"
+
+
+class DataError(ValueError):
+    pass
+
+
+@dataclass
+class Example:
+    prompt: str
+    completion: str  # empty for plain-text examples: loss on every token
+
+
+def arithmetic_example(rng: random.Random) -> Example:
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    return Example(prompt=f"Q: {a}+{b}=\nA:", completion=f" {a + b}")
+
+
+def load_examples(source: str, seed: int = 0, n_builtin: int = 20000) -> list[Example]:
+    if source == BUILTIN:
+        rng = random.Random(seed)
+        return [arithmetic_example(rng) for _ in range(n_builtin)]
+    path = Path(source)
+    if not path.is_file():
+        raise DataError(f"data file {source} not found; pass --data arithmetic or a .jsonl/.txt file")
+    if path.suffix == ".jsonl":
+        out = []
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                raise DataError(f"{source}:{i} is not JSON") from None
+            if isinstance(rec, dict) and isinstance(rec.get("text"), str):
+                out.append(Example(rec["text"], ""))
+            elif isinstance(rec, dict) and isinstance(rec.get("prompt"), str) and \
+                    isinstance(rec.get("completion"), str):
+                out.append(Example(rec["prompt"], rec["completion"]))
+            else:
+                raise DataError(f"{source}:{i} needs a 'text' or 'prompt'+'completion' string field")
+    else:
+        out = [Example(p.strip(), "") for p in path.read_text().split("\n\n") if p.strip()]
+    if not out:
+        raise DataError(f"{source} holds no examples")
+    return out
+
+
+class ByteTokenizer:
+    """Fallback for models without a tokenizer (the tiny test model): bytes modulo vocab."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+        self.eos_token_id = vocab - 1
+
+    def encode(self, text: str) -> list[int]:
+        return [b % (self.vocab - 1) for b in text.encode()]
+
+
+def _encode(tok, text: str) -> list[int]:
+    if isinstance(tok, ByteTokenizer):
+        return tok.encode(text)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def tokenize(tok, ex: Example, seq_len: int) -> tuple[list[int], list[int]]:
+    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+    p = _encode(tok, ex.prompt)
+    if ex.completion:
+        c = _encode(tok, ex.completion) + [eos]
+        ids, labels = p + c, [IGNORE_INDEX] * len(p) + c
+    else:
+        ids = p + [eos]
+        labels = list(ids)
+    return ids[:seq_len], labels[:seq_len]
+
+
+def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    t = max(len(ids) for ids, _ in pairs)
+    ids = torch.full((len(pairs), t), pad_id, dtype=torch.long)
+    labels = torch.full((len(pairs), t), IGNORE_INDEX, dtype=torch.long)
+    for i, (a, b) in enumerate(pairs):
+        ids[i, : len(a)] = torch.tensor(a)
+        labels[i, : len(b)] = torch.tensor(b)
+    return ids, labels
+
+
+def microbatches(examples: list[Example], tok, batch: int, seq_len: int, seed: int
+                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless shuffled stream of (input_ids, labels) microbatches."""
+    rng = random.Random(seed)
+    pad = tok.eos_token_id if tok.eos_token_id is not None else 0
+    order: list[int] = []
+    while True:
+        if len(order) < batch:
+            order += rng.sample(range(len(examples)), len(examples))
+        take, order = order[:batch], order[batch:]
+        yield collate([tokenize(tok, examples[i], seq_len) for i in take], pad)

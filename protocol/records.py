@@ -1,0 +1,124 @@
+"""DHT record schemas and key names.
+
+Every value read from the DHT comes from a stranger, so it is parsed through ``from_dict``,
+which checks types and ranges and raises ``RecordError`` (one line, naming the field).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+from protocol.frames import PROTOCOL_VERSION
+
+HEARTBEAT_S = 2.0
+RECORD_TTL_S = 3 * HEARTBEAT_S  # a stage record expires after ~3 missed beats
+
+
+class RecordError(ValueError):
+    pass
+
+
+def run_key(run_id: str) -> str:
+    return f"vnode.{run_id}.run"
+
+
+def stage_key(run_id: str, stage: int) -> str:
+    return f"vnode.{run_id}.stage.{stage}"
+
+
+def _check(record, types: dict[str, type | tuple]) -> None:
+    for name, expected in types.items():
+        value = getattr(record, name)
+        # bool is an int in Python; a flag where a number belongs is still a malformed record
+        if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
+            raise RecordError(f"record field {name!r} has type {type(value).__name__}")
+
+
+@dataclass
+class RunRecord:
+    """What a run is: published once by the first node, verified by every joiner."""
+
+    run_id: str
+    model_name: str
+    model_hash: str
+    num_layers: int
+    hidden: int
+    stages: list[list[int]]  # [start, end) decoder-layer ranges, one per stage
+    codec: dict = field(default_factory=lambda: {"codec": "dense", "wire_dtype": "bfloat16"})
+    seed: int = 0
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    seq_len: int = 64
+    microbatch: int = 4
+    batch_tokens: int = 1024  # tokens a node accumulates before its inner optimizer step
+    protocol: int = PROTOCOL_VERSION
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d) -> RunRecord:
+        if not isinstance(d, dict):
+            raise RecordError("run record is not a map")
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise RecordError(f"run record has unknown fields {sorted(unknown)}")
+        try:
+            rec = cls(**d)
+        except TypeError as e:
+            raise RecordError(f"run record is incomplete: {e}") from None
+        _check(rec, {"run_id": str, "model_name": str, "model_hash": str, "num_layers": int, "hidden": int,
+                     "stages": list, "codec": dict, "seed": int, "lr": (int, float),
+                     "weight_decay": (int, float), "clip": (int, float), "seq_len": int, "microbatch": int,
+                     "batch_tokens": int, "protocol": int})
+        if rec.protocol != PROTOCOL_VERSION:
+            raise RecordError(f"run speaks protocol {rec.protocol}, this node speaks {PROTOCOL_VERSION}; "
+                              "install the matching release")
+        prev = 0
+        for r in rec.stages:
+            if not (isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) and r[0] == prev
+                    and r[1] > r[0]):
+                raise RecordError(f"run record stage ranges {rec.stages} are not contiguous")
+            prev = r[1]
+        if prev != rec.num_layers or not 1 <= len(rec.stages) <= 64:
+            raise RecordError(f"run record stage ranges {rec.stages} do not cover {rec.num_layers} layers")
+        if not (0 < rec.seq_len <= 65536 and 0 < rec.microbatch <= 4096 and rec.batch_tokens > 0):
+            raise RecordError("run record batch settings out of range")
+        return rec
+
+
+@dataclass
+class StageRecord:
+    """A peer's heartbeat for the stage it serves (subkey = its peer id)."""
+
+    circuit: str = "fast"  # fast | anchor
+    throughput: float = 0.0  # tokens/s it has measured for its own compute
+    queue: int = 0  # microbatches in flight on it
+    inner_step: int = 0
+    outer_round: int = 0
+    ready: bool = False  # layers loaded and handlers registered
+    maddrs: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d) -> StageRecord:
+        if not isinstance(d, dict):
+            raise RecordError("stage record is not a map")
+        known = {f.name for f in fields(cls)}
+        try:
+            rec = cls(**{k: v for k, v in d.items() if k in known})  # newer fields are ignored
+        except TypeError as e:
+            raise RecordError(f"stage record is malformed: {e}") from None
+        _check(rec, {"circuit": str, "throughput": (int, float), "queue": int, "inner_step": int,
+                     "outer_round": int, "ready": bool, "maddrs": list})
+        if rec.circuit not in ("fast", "anchor"):
+            raise RecordError(f"unknown circuit {rec.circuit!r}")
+        if not (0 <= rec.throughput < 1e12 and 0 <= rec.queue < 1e6):
+            raise RecordError("stage record load figures out of range")
+        if len(rec.maddrs) > 16 or not all(isinstance(a, str) and len(a) < 512 for a in rec.maddrs):
+            raise RecordError("stage record addresses malformed")
+        return rec
