@@ -13,9 +13,44 @@ def _mask(**kw) -> LinkCodec:
     return MaskCodec(**kw)
 
 
+def _pca(**kw) -> LinkCodec:
+    from compression.pca import PcaCodec
+
+    return PcaCodec(**kw)
+
+
+def _topk(**kw) -> LinkCodec:
+    from compression.baselines import TopKCodec
+
+    return TopKCodec(**kw)
+
+
+def _int8(**kw) -> LinkCodec:
+    from compression.baselines import QuantCodec
+
+    return QuantCodec(bits=8, **kw)
+
+
+def _int4(**kw) -> LinkCodec:
+    from compression.baselines import QuantCodec
+
+    return QuantCodec(bits=4, **kw)
+
+
+def _bottleneck(**kw) -> LinkCodec:
+    from compression.baselines import BottleneckCodec
+
+    return BottleneckCodec(**kw)
+
+
 CODECS: dict[str, Callable[..., LinkCodec]] = {
     "dense": DenseCodec,
     "mask": _mask,
+    "pca": _pca,
+    "topk": _topk,
+    "int8": _int8,
+    "int4": _int4,
+    "bottleneck": _bottleneck,
 }
 
 
