@@ -13,7 +13,8 @@ import shutil
 import tempfile
 import time
 
-from hivemind import DHT, get_dht_time
+from hivemind import DHT
+from hivemind.utils import get_dht_time
 from hivemind.p2p import P2P
 
 from node.config import NodeConfig

@@ -12,27 +12,31 @@ from collections.abc import Mapping
 
 from protocol.records import StageRecord
 
-UNMEASURED_THROUGHPUT = 1.0  # a fresh peer has measured nothing yet; give it an even chance
+UNMEASURED_THROUGHPUT = 1.0  # when nobody has measured anything yet, all peers weigh the same
 
 
-def announced_throughput(rec: StageRecord) -> float:
-    return rec.throughput if rec.throughput > 0 else UNMEASURED_THROUGHPUT
+def announced_throughput(rec: StageRecord, fallback: float = UNMEASURED_THROUGHPUT) -> float:
+    return rec.throughput if rec.throughput > 0 else fallback
 
 
-def peer_weight(rec: StageRecord) -> float:
-    return announced_throughput(rec) / (1.0 + rec.queue)
+def peer_weights(records: list[StageRecord]) -> list[float]:
+    """Throughput / (1 + queue). A peer that has measured nothing yet weighs as the mean measured
+    peer: weighing it by zero would starve it forever (it can only measure what it is sent)."""
+    measured = [r.throughput for r in records if r.throughput > 0]
+    fallback = sum(measured) / len(measured) if measured else UNMEASURED_THROUGHPUT
+    return [announced_throughput(r, fallback) / (1.0 + r.queue) for r in records]
 
 
 def choose_peer(candidates: Mapping[str, StageRecord], circuit: str, exclude: set[str],
                 rng: random.Random) -> str | None:
     """A ready peer of ``circuit`` not in ``exclude``, or None when there is none."""
-    live = [(pid, peer_weight(r)) for pid, r in sorted(candidates.items())
+    live = [(pid, r) for pid, r in sorted(candidates.items())
             if r.ready and r.circuit == circuit and pid not in exclude]
     if not live:
         return None
-    total = sum(w for _, w in live)
-    x = rng.random() * total
-    for pid, w in live:
+    weights = peer_weights([r for _, r in live])
+    x = rng.random() * sum(weights)
+    for (pid, _), w in zip(live, weights):
         x -= w
         if x <= 0:
             return pid

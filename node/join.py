@@ -1,0 +1,152 @@
+"""`python -m node join`: start or join a swarm, claim a stage, serve it until stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+import torch
+
+from compression.registry import make_codec
+from node.config import NodeConfig
+from node.data import ByteTokenizer, load_examples, microbatches
+from node.devices import pick_device
+from node.membership import (
+    JoinError,
+    publish_run_record,
+    read_run_record,
+    read_stage_records_sync,
+    remove_socket_dir,
+    socket_dir,
+    start_dht,
+    store_stage_record_sync,
+)
+from node.model import content_hash, load_model
+from node.routing import choose_stage
+from node.runtime import StageRuntime
+from node.stages import build_stage, default_stage_ranges
+from protocol.records import RunRecord, StageRecord
+
+log = logging.getLogger("node")
+
+
+def new_run_record(cfg: NodeConfig, model, name: str, model_hash: str) -> RunRecord:
+    codec = make_codec(cfg.codec, **({"wire_dtype": cfg.wire_dtype} if cfg.codec == "dense" else {}))
+    return RunRecord(
+        run_id=cfg.run_id, model_name=name, model_hash=model_hash,
+        num_layers=model.config.num_hidden_layers, hidden=model.config.hidden_size,
+        stages=default_stage_ranges(model, cfg.stages), codec=codec.describe(), seed=cfg.seed, lr=cfg.lr,
+        weight_decay=cfg.weight_decay, clip=cfg.clip, seq_len=cfg.seq_len, microbatch=cfg.microbatch,
+        batch_tokens=cfg.batch_tokens,
+    )
+
+
+def codec_from_record(run: RunRecord):
+    settings = {k: v for k, v in run.codec.items() if k != "codec"}
+    return make_codec(run.codec["codec"], **settings)
+
+
+def claim_stage(cfg: NodeConfig, dht, run: RunRecord, peer_id: str) -> int:
+    n = len(run.stages)
+    if cfg.stage != "auto":
+        index = int(cfg.stage)
+        if not 0 <= index < n:
+            raise JoinError(f"--stage {index} does not exist: this run has stages 0..{n - 1}")
+    else:
+        index = choose_stage(read_stage_records_sync(dht, run.run_id, n), cfg.circuit)
+    # publish the claim at once (not ready yet) so the next joiner sees this stage as taken
+    store_stage_record_sync(dht, run.run_id, index, peer_id, StageRecord(circuit=cfg.circuit, ready=False))
+    return index
+
+
+def join_command(peer_id: str, maddrs: list[str], run_id: str) -> str:
+    peers = " ".join(a for a in maddrs if "/p2p/" in a) or " ".join(f"{a}/p2p/{peer_id}" for a in maddrs)
+    extra = f" --run-id {run_id}" if run_id != "default" else ""
+    return f"python -m node join --peers {peers}{extra}"
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def run_join(cfg: NodeConfig) -> int:
+    # Until the event loop takes over signals, SIGTERM unwinds through the cleanup below
+    # (DHT process, p2pd, socket dir) instead of killing the process where it stands.
+    signal.signal(signal.SIGTERM, _interrupt)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = pick_device(cfg.device)
+    sockdir = socket_dir(cfg.run_id)
+    dht = None
+    try:
+        log.info("starting p2pd and the DHT%s", f" (bootstrap: {' '.join(cfg.peers)})" if cfg.peers else "")
+        dht = start_dht(cfg)
+        peer_id = dht.peer_id.to_base58()
+        maddrs = [str(a) for a in dht.get_visible_maddrs()]
+        run = None
+        if cfg.peers:
+            run = read_run_record(dht, cfg.run_id, timeout=cfg.join_timeout)
+            if run is None:
+                raise JoinError(f"no run {cfg.run_id!r} found in the swarm at {cfg.peers[0]} within "
+                                f"{cfg.join_timeout:.0f}s; check --run-id, or start a new swarm without --peers")
+        model, tok, name = load_model(cfg.model, seed=cfg.seed if run is None else run.seed)
+        model_hash = content_hash(model)
+        if run is None:
+            run = new_run_record(cfg, model, name, model_hash)
+            publish_run_record(dht, run)
+            print(f"started swarm {run.run_id!r}: {name}, {len(run.stages)} stages {run.stages}", flush=True)
+            print(f"others join with:\n  {join_command(peer_id, maddrs, run.run_id)}", flush=True)
+        elif model_hash != run.model_hash:
+            raise JoinError(f"this node's model ({name}, hash {model_hash[:12]}) differs from the run's "
+                            f"({run.model_name}, {run.model_hash[:12]}); pass the same --model as the swarm")
+        index = claim_stage(cfg, dht, run, peer_id)
+        start, end = run.stages[index]
+        print(f"peer {peer_id} serves stage {index} (layers {start}..{end - 1}) on {device}", flush=True)
+        if cfg.ready_file:
+            with open(cfg.ready_file + ".tmp", "w") as f:
+                json.dump({"peer_id": peer_id, "maddrs": maddrs, "stage": index}, f)
+            os.replace(cfg.ready_file + ".tmp", cfg.ready_file)
+        stage = build_stage(model, run.stages, index).to(device)
+        del model
+        data = None
+        if index == 0:
+            tok = tok or ByteTokenizer(stage.config.vocab_size)
+            examples = load_examples(cfg.data, seed=run.seed)
+            data = microbatches(examples, tok, run.microbatch, run.seq_len, seed=hash(peer_id) & 0xFFFFFFFF)
+        runtime = StageRuntime(cfg, run, index, stage, codec_from_record(run), dht, peer_id, data, device)
+        runtime.maddrs = maddrs
+
+        async def main():
+            p2p = await dht.replicate_p2p()
+            await runtime.serve(p2p)
+
+        try:
+            import uvloop
+
+            uvloop.run(main())
+        except ImportError:  # uvloop is pinned, but the node still works without it
+            asyncio.run(main())
+        log.info("stopped after %d inner steps", runtime.inner_step)
+        return 0
+    except JoinError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted before the node started serving; cleaned up", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        if dht is not None:
+            t0 = time.monotonic()
+            try:
+                dht.shutdown()
+            except Exception:
+                pass
+            if dht.is_alive():
+                dht.terminate()
+            log.debug("DHT stopped in %.1fs", time.monotonic() - t0)
+        remove_socket_dir(sockdir)

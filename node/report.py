@@ -1,0 +1,59 @@
+"""Turn the nodes' metrics into report.json and a loss plot."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+
+def merge_losses(per_replica: list[list[float]]) -> list[float]:
+    """Per-step mean over the tail replicas that reached that step."""
+    n = max((len(x) for x in per_replica), default=0)
+    out = []
+    for i in range(n):
+        vals = [x[i] for x in per_replica if len(x) > i]
+        out.append(sum(vals) / len(vals))
+    return out
+
+
+def build_report(metrics: list[dict], n_stages: int, **extra) -> dict:
+    tails = [m for m in metrics if m["stage"] == n_stages - 1]
+    links: dict[tuple[int, str], dict] = defaultdict(lambda: {"bytes": 0, "tokens": 0, "frames": 0})
+    for m in metrics:
+        for lk in m["links"]:
+            c = links[(lk["boundary"], lk["direction"])]
+            for k in ("bytes", "tokens", "frames"):
+                c[k] += lk[k]
+    stages: dict[str, list[str]] = defaultdict(list)
+    for m in metrics:
+        stages[str(m["stage"])].append(m["peer_id"])
+    return {
+        **extra,
+        "loss": merge_losses([m["step_losses"] for m in tails]),
+        "tokens": sum(m["trained_tokens"] for m in tails),
+        "links": [{"boundary": b, "direction": d, **c,
+                   "bytes_per_token": c["bytes"] / c["tokens"] if c["tokens"] else None}
+                  for (b, d), c in sorted(links.items())],
+        "stages": dict(sorted(stages.items())),
+        "dropped_microbatches": sum(m["dropped_microbatches"] for m in metrics),
+        "rejected_frames": sum(m["rejected_frames"] for m in metrics),
+        "microbatches_per_peer": {m["peer_id"]: m["microbatches"] for m in metrics},
+        "nodes": metrics,
+    }
+
+
+def plot_loss(loss: list[float], path: Path, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    ax.plot(range(1, len(loss) + 1), loss, lw=1.5)
+    ax.set_xlabel("inner step (tail)")
+    ax.set_ylabel("training loss")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,544 @@
+"""The stage runtime: serve one pipeline stage, and on the head drive microbatches.
+
+One forward request is one libp2p stream: the sender writes a FORWARD frame and the
+receiver answers with the BACKWARD frame for the same microbatch once everything
+downstream of it has finished (or an ERROR frame). The backward therefore travels the
+recorded path for free, every hop has a deadline, and a failed hop is retried once
+through another peer of the same stage. Compute runs in one worker thread, off the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import signal
+import time
+import zlib
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from hivemind.p2p import PeerID
+
+from compression.codec import LinkCodec, LinkContext
+from node.config import NodeConfig
+from node.health import write_health
+from node.membership import read_stage_records, store_stage_record
+from node.routing import choose_peer
+from node.stages import Stage, causal_lm_loss
+from node.transport import close_quietly, read_message, write_message
+from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame, error_frame
+from protocol.records import RunRecord, StageRecord
+
+log = logging.getLogger("node")
+
+HANDLER = "vnode.forward"
+STEP_DRAIN_TIMEOUT_S = 120.0
+
+
+class HopFailed(RuntimeError):
+    """The next stage could not be reached or did not answer; ``retry`` if another peer may help."""
+
+    def __init__(self, msg: str, retry: bool = True):
+        super().__init__(msg)
+        self.retry = retry
+
+
+class StepGate:
+    """Bounds in-flight microbatches and lets the optimizer step only when none is in flight.
+
+    A microbatch's backward must run through the same weights its forward used, so the
+    inner step waits for in-flight work to drain and holds new work back while it runs.
+    """
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.inflight = 0
+        self.stepping = False
+        self._cond = asyncio.Condition()
+
+    async def enter(self, timeout: float) -> None:
+        async with self._cond:
+            await asyncio.wait_for(self._cond.wait_for(lambda: not self.stepping and self.inflight < self.cap),
+                                   timeout)
+            self.inflight += 1
+
+    async def exit(self) -> None:
+        async with self._cond:
+            self.inflight -= 1
+            self._cond.notify_all()
+
+    async def run_exclusive(self, fn, timeout: float) -> bool:
+        """Wait for in-flight work to drain, then run ``fn``; False if a step is already pending."""
+        async with self._cond:
+            if self.stepping:
+                return False
+            self.stepping = True
+            try:
+                await asyncio.wait_for(self._cond.wait_for(lambda: self.inflight == 0), timeout)
+            except asyncio.TimeoutError:
+                self.stepping = False
+                self._cond.notify_all()
+                return False
+        try:
+            await fn()
+        finally:
+            async with self._cond:
+                self.stepping = False
+                self._cond.notify_all()
+        return True
+
+
+@dataclass
+class LinkCount:
+    bytes: int = 0
+    tokens: int = 0
+    frames: int = 0
+
+
+class Metrics:
+    def __init__(self):
+        self.links: dict[tuple[int, str], LinkCount] = defaultdict(LinkCount)
+        self.step_losses: list[float] = []  # tail: mean loss of each inner step
+        self._pending_losses: list[tuple[float, int]] = []
+        self.trained_tokens = 0
+        self.microbatches = 0
+        self.dropped = 0
+        self.rejected_frames = 0
+        self.skipped_steps = 0
+        self.compute_s = 0.0
+
+    def count_frame(self, boundary: int, direction: str, nbytes: int, tokens: int) -> None:
+        c = self.links[(boundary, direction)]
+        c.bytes += nbytes
+        c.tokens += tokens
+        c.frames += 1
+
+    def add_loss(self, loss: float, n: int) -> None:
+        self._pending_losses.append((loss, n))
+
+    def close_step(self) -> None:
+        if self._pending_losses:
+            total = sum(n for _, n in self._pending_losses)
+            self.step_losses.append(sum(loss * n for loss, n in self._pending_losses) / max(total, 1))
+        self._pending_losses = []
+
+
+def mask_seed_for(run: RunRecord, step: int, microbatch: int, boundary: int) -> int:
+    """The 64-bit seed a masked codec derives its mask from (dense ignores it)."""
+    try:
+        from compression.prf import mask_seed
+    except ImportError:  # pragma: no cover - prf lands with the masked-links work
+        return 0
+    return mask_seed(run.seed, step, microbatch, boundary)
+
+
+class StageRuntime:
+    def __init__(self, cfg: NodeConfig, run: RunRecord, stage_index: int, stage: Stage, codec: LinkCodec,
+                 dht, peer_id: str, data_stream=None, device: torch.device | None = None):
+        self.cfg, self.run, self.index, self.stage, self.codec = cfg, run, stage_index, stage, codec
+        self.n_stages = len(run.stages)
+        self.is_head, self.is_tail = stage_index == 0, stage_index == self.n_stages - 1
+        self.dht, self.peer_id = dht, peer_id
+        self.data = data_stream
+        self.device = device or torch.device("cpu")
+        self.metrics = Metrics()
+        self.gate = StepGate(cfg.max_inflight)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.rng = random.Random(zlib.crc32(peer_id.encode()) ^ cfg.seed)
+        self.routes: list[dict[str, StageRecord]] = [{} for _ in range(self.n_stages)]
+        self.inner_step = 0
+        self._acc_tokens = 0
+        self._acc_micro = 0
+        self._throughput = 0.0
+        self._mb_counter = 0
+        self._mb_prefix = (zlib.crc32(peer_id.encode()) & 0xFFFFFF) << 32
+        self.stop = asyncio.Event()
+        self.p2p = None
+        self.maddrs: list[str] = []
+        params = [p for p in stage.parameters() if p.requires_grad]
+        self.params = params
+        self.opt = torch.optim.AdamW(params, lr=run.lr, weight_decay=run.weight_decay)
+
+    # ---------------------------------------------------------------- compute (worker thread)
+    async def compute(self, fn, *args):
+        t0 = time.perf_counter()
+        out = await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        self.metrics.compute_s += time.perf_counter() - t0
+        return out
+
+    def _forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with torch.enable_grad():
+            if self.is_head:
+                return self.stage(x.to(self.device)), None
+            leaf = x.to(self.device).requires_grad_(True)
+            return self.stage(leaf), leaf
+
+    def _tail(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[float, int, torch.Tensor | None]:
+        with torch.enable_grad():
+            leaf = x.to(self.device).requires_grad_(not self.is_head)
+            logits = self.stage(leaf)
+            loss, n = causal_lm_loss(logits, labels.to(self.device).long())
+            loss.backward()
+        return float(loss.detach()), n, (leaf.grad if not self.is_head else None)
+
+    @staticmethod
+    def _backward(y: torch.Tensor, grad_y: torch.Tensor, leaf: torch.Tensor | None) -> torch.Tensor | None:
+        y.backward(grad_y.to(y.device, y.dtype))
+        return leaf.grad if leaf is not None else None
+
+    def _optimizer_step(self) -> bool:
+        n = max(self._acc_micro, 1)
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.div_(n)  # mean over this node's microbatches
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.run.clip)
+        ok = bool(torch.isfinite(norm))
+        if ok:  # a non-finite gradient never reaches the weights
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return ok
+
+    # ---------------------------------------------------------------- bookkeeping
+    def _link_ctx(self, frame: Frame) -> LinkContext:
+        return LinkContext(seed=frame.seed, basis_version=frame.basis_version)
+
+    async def _account(self, tokens: int, loss: float | None, n_loss: int) -> None:
+        self._acc_tokens += tokens
+        self._acc_micro += 1
+        self.metrics.microbatches += 1
+        if loss is not None:
+            self.metrics.add_loss(loss, n_loss)
+        if self._acc_tokens >= self.run.batch_tokens:
+            await self.gate.run_exclusive(self._step, STEP_DRAIN_TIMEOUT_S)
+
+    async def _step(self) -> None:
+        if self._acc_micro == 0:
+            return
+        ok = await self.compute(self._optimizer_step)
+        self.metrics.trained_tokens += self._acc_tokens
+        if not ok:
+            self.metrics.skipped_steps += 1
+        self._acc_tokens = self._acc_micro = 0
+        self.inner_step += 1
+        self.metrics.close_step()
+        if self.cfg.max_steps and self.inner_step >= self.cfg.max_steps:
+            self.stop.set()
+
+    def _record_throughput(self, tokens: int, seconds: float) -> None:
+        if seconds > 0:
+            rate = tokens / seconds
+            self._throughput = rate if self._throughput == 0 else 0.8 * self._throughput + 0.2 * rate
+
+    def stage_record(self, ready: bool = True) -> StageRecord:
+        return StageRecord(circuit=self.cfg.circuit, throughput=round(self._throughput, 3),
+                           queue=self.gate.inflight, inner_step=self.inner_step, ready=ready,
+                           maddrs=self.maddrs)
+
+    # ---------------------------------------------------------------- network: sending
+    def _hop_deadline(self, boundary: int) -> float:
+        # the reply needs every remaining stage's compute, so the deadline grows with the hops ahead
+        return self.cfg.hop_timeout * (self.n_stages - 1 - boundary)
+
+    async def _call_peer(self, peer: str, data: bytes, boundary: int) -> Frame:
+        timeout = self._hop_deadline(boundary)
+        try:
+            _, reader, writer = await asyncio.wait_for(
+                self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), HANDLER), self.cfg.hop_timeout)
+        except Exception as e:
+            raise HopFailed(f"cannot open a stream to {peer[:12]}: {type(e).__name__}") from None
+        try:
+            await write_message(writer, data, timeout)
+            reply = await read_message(reader, MAX_FRAME_BYTES, timeout)
+        except (asyncio.TimeoutError, ConnectionError, OSError, FrameError) as e:
+            raise HopFailed(f"{peer[:12]} did not answer: {type(e).__name__} {e}") from None
+        finally:
+            close_quietly(writer)
+        try:
+            frame = decode_frame(reply, run_id=self.run.run_id)
+        except FrameError as e:
+            raise HopFailed(f"{peer[:12]} sent an invalid reply: {e}") from None
+        if frame.kind == "error":
+            # a peer whose own downstream failed already retried; do not multiply retries upstream
+            raise HopFailed(f"{peer[:12]}: {frame.meta.get('message', '?')}",
+                            retry=frame.meta.get("code") != "downstream")
+        if frame.kind != "backward":
+            raise HopFailed(f"{peer[:12]} answered with a {frame.kind} frame")
+        return frame
+
+    async def send_downstream(self, frame: Frame, tokens: int) -> Frame:
+        """Send a FORWARD frame to a peer of the next stage; retry once through another peer."""
+        data = encode_frame(frame)
+        nxt = self.index + 1
+        tried: set[str] = set()
+        last: HopFailed | None = None
+        for _attempt in range(2):
+            peer = choose_peer(self.routes[nxt], self.cfg.circuit, tried, self.rng)
+            if peer is None:
+                await self.refresh_routes()
+                peer = choose_peer(self.routes[nxt], self.cfg.circuit, tried, self.rng)
+            if peer is None:
+                raise HopFailed(f"no live peer serves stage {nxt}", retry=False)
+            tried.add(peer)
+            self.metrics.count_frame(self.index, "forward", len(data), tokens)
+            try:
+                reply = await self._call_peer(peer, data, self.index)
+            except HopFailed as e:
+                last = e
+                log.info("hop to stage %d failed: %s", nxt, e)
+                self.routes[nxt].pop(peer, None)  # stop choosing it until it heartbeats again
+                if not e.retry:
+                    break
+                continue
+            if reply.microbatch != frame.microbatch:
+                raise HopFailed("reply for a different microbatch", retry=False)
+            return reply
+        raise last or HopFailed("no attempt made")
+
+    def _forward_frame(self, step: int, mb: int, path: list[str], y: torch.Tensor, labels: torch.Tensor) -> Frame:
+        boundary = self.index
+        seed = mask_seed_for(self.run, step, mb, boundary)
+        ctx = LinkContext(seed=seed)
+        tensors = dict(self.codec.encode_forward(y.detach().cpu(), ctx))
+        tensors["labels"] = labels.to(torch.int32)
+        return Frame(kind="forward", run_id=self.run.run_id, step=step, microbatch=mb, boundary=boundary,
+                     path=path + [self.peer_id], codec=self.codec.codec_id, seed=seed, shape=list(y.shape),
+                     tensors=tensors)
+
+    # ---------------------------------------------------------------- network: serving
+    async def handle_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        try:
+            try:
+                data = await read_message(reader, MAX_FRAME_BYTES, self.cfg.hop_timeout)
+                frame = decode_frame(data, run_id=self.run.run_id)
+                reply = await self.serve_forward(frame)
+            except FrameError as e:
+                self.metrics.rejected_frames += 1
+                log.info("rejected a frame from %s: %s", str(stream_info.peer_id)[:12], e)
+                reply = error_frame(self.run.run_id, e)
+            except HopFailed as e:
+                reply = Frame(kind="error", run_id=self.run.run_id,
+                              meta={"code": "downstream", "message": str(e)[:300]})
+            except (asyncio.TimeoutError, RuntimeError) as e:
+                reply = Frame(kind="error", run_id=self.run.run_id,
+                              meta={"code": "busy", "message": f"{type(e).__name__}: {e}"[:300]})
+            out = encode_frame(reply)
+            if reply.kind == "backward":
+                self.metrics.count_frame(self.index - 1, "backward", len(out), int(reply.meta.get("mb_tokens", 0)))
+            await write_message(writer, out, self.cfg.hop_timeout)
+        except Exception as e:  # the requester went away; nothing of ours is held any more
+            log.debug("stream ended: %s", e)
+        finally:
+            close_quietly(writer)
+
+    def _check_forward(self, frame: Frame) -> None:
+        from protocol.frames import MalformedFrame, ShapeMismatch
+
+        if frame.kind != "forward":
+            raise MalformedFrame(f"expected a forward frame, got {frame.kind}")
+        if frame.boundary != self.index - 1:
+            raise MalformedFrame(f"frame for boundary {frame.boundary} reached stage {self.index}")
+        if frame.codec != self.codec.codec_id:
+            raise MalformedFrame(f"codec {frame.codec!r}, this run uses {self.codec.codec_id!r}")
+        if len(frame.shape) != 3 or frame.shape[2] != self.run.hidden:
+            raise ShapeMismatch(f"activation shape {frame.shape} does not end in hidden {self.run.hidden}")
+        labels = frame.tensors.get("labels")
+        if labels is None or list(labels.shape) != frame.shape[:2]:
+            raise ShapeMismatch("labels missing or not (batch, tokens)")
+        if frame.shape[1] > self.run.seq_len or frame.shape[0] > self.run.microbatch:
+            raise ShapeMismatch(f"microbatch {frame.shape[:2]} exceeds the run's limits")
+
+    async def serve_forward(self, frame: Frame) -> Frame:
+        self._check_forward(frame)
+        ctx = self._link_ctx(frame)
+        shape = tuple(frame.shape)
+        try:
+            x = self.codec.decode_forward({k: v for k, v in frame.tensors.items() if k != "labels"}, ctx, shape)
+        except (KeyError, RuntimeError, ValueError) as e:
+            from protocol.frames import MalformedFrame
+
+            raise MalformedFrame(f"payload does not decode with codec {frame.codec}: {e}") from None
+        labels = frame.tensors["labels"]
+        tokens = shape[0] * shape[1]
+        await self.gate.enter(self.cfg.hop_timeout)
+        loss, n_loss, meta = None, 0, {}
+        try:
+            t0 = time.perf_counter()
+            if self.is_tail:
+                loss, n_loss, grad_x = await self.compute(self._tail, x, labels)
+                meta = {"loss": loss, "tokens": n_loss}
+                self._record_throughput(tokens, time.perf_counter() - t0)
+            else:
+                y, leaf = await self.compute(self._forward, x)
+                self._record_throughput(tokens, time.perf_counter() - t0)
+                down = self._forward_frame(frame.step, frame.microbatch, frame.path, y, labels)
+                try:
+                    bwd = await self.send_downstream(down, tokens)
+                except HopFailed:
+                    del y, leaf  # free the graph now, not when the reply is garbage collected
+                    raise
+                grad_y = self.codec.decode_backward(
+                    {k: v for k, v in bwd.tensors.items()}, LinkContext(seed=down.seed), tuple(y.shape))
+                grad_x = await self.compute(self._backward, y, grad_y, leaf)
+                meta = {k: v for k, v in bwd.meta.items() if k in ("loss", "tokens")}
+        finally:
+            await self.gate.exit()
+        reply = Frame(kind="backward", run_id=self.run.run_id, step=frame.step, microbatch=frame.microbatch,
+                      boundary=frame.boundary, path=frame.path, codec=frame.codec, seed=frame.seed,
+                      shape=list(shape), tensors=self.codec.encode_backward(grad_x.cpu(), ctx),
+                      meta={**meta, "mb_tokens": tokens})
+        await self._account(tokens, loss, n_loss)
+        return reply
+
+    # ---------------------------------------------------------------- head: driving microbatches
+    async def run_microbatch(self, ids: torch.Tensor, labels: torch.Tensor) -> None:
+        tokens = ids.numel()
+        self._mb_counter += 1
+        mb = self._mb_prefix | self._mb_counter
+        loss = None
+        n_loss = 0
+        try:
+            t0 = time.perf_counter()
+            if self.is_tail:  # a one-stage run: the whole model here
+                loss, n_loss, _ = await self.compute(self._tail, ids, labels)
+            else:
+                y, _ = await self.compute(self._forward, ids)
+                self._record_throughput(tokens, time.perf_counter() - t0)
+                down = self._forward_frame(self.inner_step, mb, [], y, labels)
+                try:
+                    bwd = await self.send_downstream(down, tokens)
+                except HopFailed as e:
+                    self.metrics.dropped += 1
+                    log.warning("dropped microbatch %x: %s", mb, e)
+                    return
+                grad_y = self.codec.decode_backward(bwd.tensors, LinkContext(seed=down.seed), tuple(y.shape))
+                await self.compute(self._backward, y, grad_y, None)
+                if "loss" in bwd.meta:
+                    loss = float(bwd.meta["loss"])
+                    n_loss = int(bwd.meta.get("tokens", 0))
+        finally:
+            await self.gate.exit()
+        await self._account(tokens, loss, n_loss)
+
+    async def head_loop(self) -> None:
+        tasks: set[asyncio.Task] = set()
+        while not self.stop.is_set():
+            try:
+                await self.gate.enter(timeout=1.0)
+            except asyncio.TimeoutError:
+                continue
+            if self.stop.is_set():
+                await self.gate.exit()
+                break
+            ids, labels = next(self.data)
+            t = asyncio.create_task(self.run_microbatch(ids, labels))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+        if tasks:  # let in-flight microbatches finish (each is bounded by its hop deadlines)
+            await asyncio.wait(tasks, timeout=self._hop_deadline(0) + 5)
+
+    # ---------------------------------------------------------------- membership loops
+    async def refresh_routes(self) -> None:
+        try:
+            self.routes = await read_stage_records(self.dht, self.run.run_id, self.n_stages,
+                                                   timeout=self.cfg.hop_timeout)
+        except Exception as e:
+            log.info("could not refresh routes: %s", e)
+
+    async def heartbeat_loop(self) -> None:
+        while not self.stop.is_set():
+            try:
+                await store_stage_record(self.dht, self.run.run_id, self.index, self.peer_id,
+                                         self.stage_record(), timeout=self.cfg.hop_timeout)
+            except Exception as e:
+                log.info("heartbeat failed: %s", e)
+            await self.refresh_routes()
+            self.write_metrics()
+            self.write_health(serving=True)
+            try:
+                await asyncio.wait_for(self.stop.wait(), self.cfg.heartbeat_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def metrics_dict(self) -> dict:
+        m = self.metrics
+        return {
+            "peer_id": self.peer_id, "stage": self.index, "circuit": self.cfg.circuit,
+            "role": "head" if self.is_head else "tail" if self.is_tail else "body",
+            "inner_step": self.inner_step, "step_losses": m.step_losses, "trained_tokens": m.trained_tokens,
+            "microbatches": m.microbatches, "dropped_microbatches": m.dropped, "rejected_frames": m.rejected_frames,
+            "skipped_steps": m.skipped_steps, "throughput": self._throughput, "compute_s": m.compute_s,
+            "links": [{"boundary": b, "direction": d, "bytes": c.bytes, "tokens": c.tokens, "frames": c.frames}
+                      for (b, d), c in sorted(m.links.items())],
+            "peers": {str(s): sorted(r) for s, r in enumerate(self.routes)},
+            "time": time.time(),
+        }
+
+    def write_health(self, serving: bool) -> None:
+        try:
+            write_health(self.cfg.state_dir, {"serving": serving, "stage": self.index, "peer_id": self.peer_id,
+                                              "inner_step": self.inner_step, "state": "serving" if serving
+                                              else "stopped"})
+        except OSError as e:
+            log.debug("could not write the health file: %s", e)
+
+    def write_metrics(self) -> None:
+        path = self.cfg.metrics_file
+        if not path:
+            return
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.metrics_dict(), f)
+        os.replace(tmp, path)  # readers never see a half-written file
+
+    async def serve(self, p2p) -> None:
+        """Register the handler, heartbeat, drive data (head), until stopped."""
+        self.p2p = p2p
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.stop.set)
+        await p2p.add_binary_stream_handler(HANDLER, self.handle_stream)
+        await store_stage_record(self.dht, self.run.run_id, self.index, self.peer_id, self.stage_record(),
+                                 timeout=self.cfg.hop_timeout)
+        tasks = [asyncio.create_task(self.heartbeat_loop())]
+        if self.is_head:
+            await self.wait_for_pipeline()
+            tasks.append(asyncio.create_task(self.head_loop()))
+        await self.stop.wait()
+        log.info("leaving the swarm")
+        # announce we are gone before we stop answering, so routing stops choosing us
+        try:
+            await store_stage_record(self.dht, self.run.run_id, self.index, self.peer_id,
+                                     self.stage_record(ready=False), timeout=5.0)
+        except Exception:
+            pass
+        for t in tasks:
+            try:
+                await asyncio.wait_for(t, timeout=self._hop_deadline(0) + 10)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                t.cancel()
+        self.write_metrics()
+        self.write_health(serving=False)
+        try:
+            await asyncio.wait_for(p2p.remove_binary_stream_handler(HANDLER), 5.0)
+        except Exception:
+            pass
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def wait_for_pipeline(self) -> None:
+        """The head waits until every stage has a ready peer, with a progress line."""
+        last = 0.0
+        while not self.stop.is_set():
+            await self.refresh_routes()
+            missing = [s for s in range(1, self.n_stages)
+                       if not any(r.ready and r.circuit == self.cfg.circuit for r in self.routes[s].values())]
+            if not missing:
+                return
+            if time.monotonic() - last > 10:
+                log.info("waiting for peers to serve stages %s", missing)
+                last = time.monotonic()
+            await asyncio.sleep(1.0)
