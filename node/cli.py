@@ -16,71 +16,179 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     """Settings of a new run (used by the node that starts a swarm; joiners read them from the DHT)."""
     g = p.add_argument_group("run settings (first node only; joiners take them from the swarm)")
     d = _CFG_DEFAULTS
-    g.add_argument("--model", default=d["model"],
-                   help="'bundled' (SmolLM2-135M-Instruct, offline), 'tiny[:LAYERS]' (random init, for tests), "
-                        "or a local Hugging Face Llama-family checkpoint directory (default: %(default)s)")
-    g.add_argument("--stages", type=int, default=d["stages"], help="pipeline stages of a new run (default: %(default)s)")
+    g.add_argument(
+        "--model",
+        default=d["model"],
+        help="'bundled' (SmolLM2-135M-Instruct, offline), 'tiny[:LAYERS]' (random init, for tests), "
+        "or a local Hugging Face Llama-family checkpoint directory (default: %(default)s)",
+    )
+    g.add_argument(
+        "--stages", type=int, default=d["stages"], help="pipeline stages of a new run (default: %(default)s)"
+    )
     g.add_argument("--codec", default=d["codec"], help="pipeline-link codec (default: %(default)s)")
-    g.add_argument("--wire-dtype", default=d["wire_dtype"], choices=["float32", "bfloat16", "float16"],
-                   help="dtype of dense link payloads (default: %(default)s)")
-    g.add_argument("--seed", type=int, default=d["seed"], help="run seed: masks, init of tiny models (default: %(default)s)")
-    g.add_argument("--lr", type=float, default=d["lr"], help="inner AdamW learning rate (default: %(default)s)")
-    g.add_argument("--weight-decay", type=float, default=d["weight_decay"], help="AdamW weight decay (default: %(default)s)")
+    g.add_argument(
+        "--wire-dtype",
+        default=d["wire_dtype"],
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of dense link payloads (default: %(default)s)",
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=d["seed"],
+        help="run seed: masks, init of tiny models (default: %(default)s)",
+    )
+    g.add_argument(
+        "--lr", type=float, default=d["lr"], help="inner AdamW learning rate (default: %(default)s)"
+    )
+    g.add_argument(
+        "--weight-decay",
+        type=float,
+        default=d["weight_decay"],
+        help="AdamW weight decay (default: %(default)s)",
+    )
     g.add_argument("--clip", type=float, default=d["clip"], help="gradient-norm clip (default: %(default)s)")
-    g.add_argument("--seq-len", type=int, default=d["seq_len"], help="max tokens per sequence (default: %(default)s)")
-    g.add_argument("--microbatch", type=int, default=d["microbatch"], help="sequences per microbatch (default: %(default)s)")
-    g.add_argument("--batch-tokens", type=int, default=d["batch_tokens"],
-                   help="tokens a node accumulates before each inner optimizer step (default: %(default)s)")
+    g.add_argument(
+        "--seq-len", type=int, default=d["seq_len"], help="max tokens per sequence (default: %(default)s)"
+    )
+    g.add_argument(
+        "--microbatch",
+        type=int,
+        default=d["microbatch"],
+        help="sequences per microbatch (default: %(default)s)",
+    )
+    g.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=d["batch_tokens"],
+        help="tokens a node accumulates before each inner optimizer step (default: %(default)s)",
+    )
 
 
 def add_node_args(p: argparse.ArgumentParser) -> None:
     d = _CFG_DEFAULTS
     g = p.add_argument_group("this node")
-    g.add_argument("--data", default=d["data"],
-                   help="training data for the head: 'arithmetic' (built in) or a .jsonl of {text} / "
-                        "{prompt, completion} records, or a plain-text file (default: %(default)s)")
-    g.add_argument("--device", default=d["device"], choices=["auto", "cuda", "cpu"],
-                   help="compute device; auto picks CUDA when present (default: %(default)s)")
+    g.add_argument(
+        "--data",
+        default=d["data"],
+        help="training data for the head: 'arithmetic' (built in) or a .jsonl of {text} / "
+        "{prompt, completion} records, or a plain-text file (default: %(default)s)",
+    )
+    g.add_argument(
+        "--device",
+        default=d["device"],
+        choices=["auto", "cuda", "cpu"],
+        help="compute device; auto picks CUDA when present (default: %(default)s)",
+    )
     g.add_argument("--threads", type=int, default=d["threads"], help="torch CPU threads, 0 = torch default")
-    g.add_argument("--max-inflight", type=int, default=d["max_inflight"],
-                   help="cap on microbatches this node holds in flight (default: %(default)s)")
-    g.add_argument("--max-steps", type=int, default=d["max_steps"],
-                   help="leave after this many inner steps; 0 = run until stopped (default: %(default)s)")
-    g.add_argument("--hop-timeout", type=float, default=d["hop_timeout"],
-                   help="seconds one pipeline hop may take before it is retried elsewhere (default: %(default)s)")
-    g.add_argument("--heartbeat", dest="heartbeat_s", type=float, default=d["heartbeat_s"],
-                   help="seconds between stage-record heartbeats (default: %(default)s)")
-    g.add_argument("--state-dir", default=None, help="identity key, checkpoints and health file "
-                   "(default: $NODE_STATE_DIR or ~/.local/share/volunteer-node)")
+    g.add_argument(
+        "--max-inflight",
+        type=int,
+        default=d["max_inflight"],
+        help="cap on microbatches this node holds in flight (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-steps",
+        type=int,
+        default=d["max_steps"],
+        help="leave after this many inner steps; 0 = run until stopped (default: %(default)s)",
+    )
+    g.add_argument(
+        "--hop-timeout",
+        type=float,
+        default=d["hop_timeout"],
+        help="seconds one pipeline hop may take before it is retried elsewhere (default: %(default)s)",
+    )
+    g.add_argument(
+        "--heartbeat",
+        dest="heartbeat_s",
+        type=float,
+        default=d["heartbeat_s"],
+        help="seconds between stage-record heartbeats (default: %(default)s)",
+    )
+    g.add_argument(
+        "--state-dir",
+        default=None,
+        help="identity key, checkpoints and health file "
+        "(default: $NODE_STATE_DIR or ~/.local/share/volunteer-node)",
+    )
     g.add_argument("--metrics-file", default=None, help="write live metrics as JSON here")
     g.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
+    g.add_argument(
+        "--wait-peers",
+        type=int,
+        default=d["wait_peers"],
+        help="head only: wait until this many peers are ready before training (default: %(default)s)",
+    )
 
 
 def add_network_args(p: argparse.ArgumentParser) -> None:
     d = _CFG_DEFAULTS
     g = p.add_argument_group("network")
-    g.add_argument("--peers", nargs="*", default=[],
-                   help="multiaddrs of peers already in the swarm (/ip4/HOST/tcp/PORT/p2p/PEER_ID); "
-                        "without it, this node starts a new swarm")
-    g.add_argument("--run-id", default=d["run_id"], help="which run of the swarm to join (default: %(default)s)")
-    g.add_argument("--stage", default=d["stage"], help="'auto' claims the least-served stage, or a stage index")
-    g.add_argument("--host", default=d["host"], help="listen address; 0.0.0.0 to accept peers from other machines "
-                   "(default: %(default)s)")
-    g.add_argument("--port", type=int, default=d["port"], help="listen TCP port; 0 picks a free one (default: %(default)s)")
-    g.add_argument("--announce-maddr", dest="announce_maddrs", action="append", default=[],
-                   help="address others should dial, e.g. /ip4/PUBLIC_IP/tcp/PORT (repeatable)")
-    g.add_argument("--identity", default=None,
-                   help="private key file for a stable peer id (created 0600 if missing; default: STATE_DIR/identity.key)")
-    g.add_argument("--client-mode", action="store_true",
-                   help="do not accept incoming DHT connections (behind NAT with no forwarded port)")
-    g.add_argument("--no-relay", dest="use_relay", action="store_false",
-                   help="disable libp2p circuit relays (on by default: lets peers behind NAT reach each other)")
-    g.add_argument("--use-auto-relay", action="store_true",
-                   help="look for relays automatically and announce relayed addresses (behind NAT)")
-    g.add_argument("--p2pd-timeout", type=float, default=d["p2pd_timeout"],
-                   help="seconds to wait for the p2p daemon to start (default: %(default)s)")
-    g.add_argument("--join-timeout", type=float, default=d["join_timeout"],
-                   help="seconds to reach the bootstrap peers and read the run (default: %(default)s)")
+    g.add_argument(
+        "--peers",
+        nargs="*",
+        default=[],
+        help="multiaddrs of peers already in the swarm (/ip4/HOST/tcp/PORT/p2p/PEER_ID); "
+        "without it, this node starts a new swarm",
+    )
+    g.add_argument(
+        "--run-id", default=d["run_id"], help="which run of the swarm to join (default: %(default)s)"
+    )
+    g.add_argument(
+        "--stage", default=d["stage"], help="'auto' claims the least-served stage, or a stage index"
+    )
+    g.add_argument(
+        "--host",
+        default=d["host"],
+        help="listen address; 0.0.0.0 to accept peers from other machines (default: %(default)s)",
+    )
+    g.add_argument(
+        "--port",
+        type=int,
+        default=d["port"],
+        help="listen TCP port; 0 picks a free one (default: %(default)s)",
+    )
+    g.add_argument(
+        "--announce-maddr",
+        dest="announce_maddrs",
+        action="append",
+        default=[],
+        help="address others should dial, e.g. /ip4/PUBLIC_IP/tcp/PORT (repeatable)",
+    )
+    g.add_argument(
+        "--identity",
+        default=None,
+        help="private key file for a stable peer id (made 0600 if missing; default: STATE_DIR/identity.key)",
+    )
+    g.add_argument(
+        "--client-mode",
+        action="store_true",
+        help="do not accept incoming DHT connections (behind NAT with no forwarded port)",
+    )
+    g.add_argument(
+        "--no-relay",
+        dest="use_relay",
+        action="store_false",
+        help="disable libp2p circuit relays (on by default: lets peers behind NAT reach each other)",
+    )
+    g.add_argument(
+        "--use-auto-relay",
+        action="store_true",
+        help="look for relays automatically and announce relayed addresses (behind NAT)",
+    )
+    g.add_argument(
+        "--p2pd-timeout",
+        type=float,
+        default=d["p2pd_timeout"],
+        help="seconds to wait for the p2p daemon to start (default: %(default)s)",
+    )
+    g.add_argument(
+        "--join-timeout",
+        type=float,
+        default=d["join_timeout"],
+        help="seconds to reach the bootstrap peers and read the run (default: %(default)s)",
+    )
 
 
 def config_from_args(a: argparse.Namespace) -> NodeConfig:
@@ -92,8 +200,11 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m node", description="Volunteer training node: join a swarm "
-                                "that trains a language model pipeline-parallel over libp2p.")
+    p = argparse.ArgumentParser(
+        prog="python -m node",
+        description="Volunteer training node: join a swarm "
+        "that trains a language model pipeline-parallel over libp2p.",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -104,10 +215,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("swarm", help="run a local swarm of N node processes on loopback and write a report")
     s.add_argument("--nodes", type=int, default=3, help="node processes (default: %(default)s)")
-    s.add_argument("--steps", type=int, default=30, help="inner steps of the tail stage to train (default: %(default)s)")
+    s.add_argument(
+        "--steps", type=int, default=30, help="inner steps of the tail stage to train (default: %(default)s)"
+    )
     s.add_argument("--report", default="runs/swarm", help="report directory (default: %(default)s)")
-    s.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds (default: %(default)s)")
-    s.add_argument("--threads-per-node", type=int, default=1, help="torch threads per node (default: %(default)s)")
+    s.add_argument(
+        "--timeout", type=float, default=1800, help="give up after this many seconds (default: %(default)s)"
+    )
+    s.add_argument(
+        "--threads-per-node", type=int, default=1, help="torch threads per node (default: %(default)s)"
+    )
     add_run_args(s)
     s.add_argument("--data", default=_CFG_DEFAULTS["data"], help="training data for the head stage(s)")
     s.add_argument("--device", default=_CFG_DEFAULTS["device"], choices=["auto", "cuda", "cpu"])
@@ -120,7 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--join-timeout", type=float, default=_CFG_DEFAULTS["join_timeout"])
     st.add_argument("--json", action="store_true", help="print JSON")
 
-    h = sub.add_parser("health", help="exit 0 if the local node is alive and serving (for container healthchecks)")
+    h = sub.add_parser(
+        "health", help="exit 0 if the local node is alive and serving (for container healthchecks)"
+    )
     h.add_argument("--state-dir", default=None)
 
     sub.add_parser("prepare-model", help="convert the bundled SmolLM2-135M into the local cache (once)")
@@ -129,8 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
     for noisy in ("hivemind", "transformers", "httpx", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING if not args.verbose else logging.INFO)
     try:
@@ -157,10 +279,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     except KeyboardInterrupt:
         return 130
-    except (ValueError, RuntimeError, OSError) as e:
+    except Exception as e:
         # one line naming the cause; --verbose shows the traceback
         if args.verbose:
             raise
-        print(f"error: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+        print(
+            f"error: {type(e).__name__}: {e}".splitlines()[0] + "  (run with -v for details)", file=sys.stderr
+        )
         return 2
     return 1

@@ -46,6 +46,7 @@ class NodeConfig:
     device: str = "auto"
     threads: int = 0  # torch threads; 0 = torch's default
     max_inflight: int = 4
+    wait_peers: int = 0  # head: start driving data once this many peers are ready (local swarms)
     max_steps: int = 0  # stop after this many inner steps (0 = run until stopped)
     state_dir: str = field(default_factory=default_state_dir)
     metrics_file: str | None = None

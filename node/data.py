@@ -53,8 +53,11 @@ def load_examples(source: str, seed: int = 0, n_builtin: int = 20000) -> list[Ex
                 raise DataError(f"{source}:{i} is not JSON") from None
             if isinstance(rec, dict) and isinstance(rec.get("text"), str):
                 out.append(Example(rec["text"], ""))
-            elif isinstance(rec, dict) and isinstance(rec.get("prompt"), str) and \
-                    isinstance(rec.get("completion"), str):
+            elif (
+                isinstance(rec, dict)
+                and isinstance(rec.get("prompt"), str)
+                and isinstance(rec.get("completion"), str)
+            ):
                 out.append(Example(rec["prompt"], rec["completion"]))
             else:
                 raise DataError(f"{source}:{i} needs a 'text' or 'prompt'+'completion' string field")
@@ -104,8 +107,9 @@ def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torc
     return ids, labels
 
 
-def microbatches(examples: list[Example], tok, batch: int, seq_len: int, seed: int
-                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def microbatches(
+    examples: list[Example], tok, batch: int, seq_len: int, seed: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless shuffled stream of (input_ids, labels) microbatches."""
     rng = random.Random(seed)
     pad = tok.eos_token_id if tok.eos_token_id is not None else 0

@@ -33,7 +33,10 @@ def check_health(state_dir: str | None, now: float | None = None) -> tuple[bool,
         return False, f"the node's last heartbeat was {age:.0f}s ago (stuck or stopped)"
     if not rec.get("serving"):
         return False, f"the node is up but not serving yet ({rec.get('state', 'starting')})"
-    return True, f"serving stage {rec.get('stage')} as {rec.get('peer_id', '?')}, inner step {rec.get('inner_step')}"
+    return (
+        True,
+        f"serving stage {rec.get('stage')} as {rec.get('peer_id', '?')}, inner step {rec.get('inner_step')}",
+    )
 
 
 def run_health(state_dir: str | None) -> int:

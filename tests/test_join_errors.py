@@ -1,0 +1,65 @@
+"""join fails fast and in one line when it cannot do its job."""
+
+import subprocess
+import sys
+import time
+
+
+def _join(*args, timeout=120):
+    t0 = time.monotonic()
+    p = subprocess.run(
+        [sys.executable, "-m", "node", "join", *args], capture_output=True, text=True, timeout=timeout
+    )
+    return p, time.monotonic() - t0
+
+
+def test_unreachable_peer_fails_within_timeout_in_one_line(tmp_path):
+    p, elapsed = _join(
+        "--peers",
+        "/ip4/127.0.0.1/tcp/9/p2p/QmVYrYryoFJ8RGNyRYjYpHbJbJfqoPe7kA9qQeUDJePUda",
+        "--join-timeout",
+        "5",
+        "--p2pd-timeout",
+        "10",
+        "--model",
+        "tiny",
+        "--state-dir",
+        str(tmp_path),
+    )
+    assert p.returncode != 0
+    assert elapsed < 5 + 10 + 20
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, p.stderr
+    assert "Traceback" not in p.stderr
+    assert "bootstrap" in errors[0] or "reach" in errors[0]
+
+
+def test_bad_peer_address_is_one_line(tmp_path):
+    p, _ = _join(
+        "--peers", "not-a-multiaddr", "--model", "tiny", "--state-dir", str(tmp_path), "--join-timeout", "5"
+    )
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("error:")
+
+
+def test_help_documents_every_flag():
+    out = subprocess.run(
+        [sys.executable, "-m", "node", "join", "--help"], capture_output=True, text=True
+    ).stdout
+    for flag in (
+        "--peers",
+        "--stage",
+        "--model",
+        "--data",
+        "--host",
+        "--port",
+        "--announce-maddr",
+        "--identity",
+        "--device",
+        "--p2pd-timeout",
+        "--join-timeout",
+        "--hop-timeout",
+        "--max-inflight",
+    ):
+        assert flag in out

@@ -1,0 +1,138 @@
+"""The S-stage pipeline, run hop by hop as the nodes run it, equals the whole model."""
+
+import copy
+
+import pytest
+import torch
+
+from compression.codec import DenseCodec, LinkContext
+from node.model import load_model, tiny_config
+from node.stages import IGNORE_INDEX, balance_layers, build_stage, causal_lm_loss, default_stage_ranges
+from protocol.frames import Frame, decode_frame, encode_frame
+
+
+def _reference(model, ids, labels):
+    ref = copy.deepcopy(model)
+    logits = ref(input_ids=ids).logits
+    loss, _ = causal_lm_loss(logits, labels)
+    loss.backward()
+    return logits.detach(), loss.detach(), {n: p.grad for n, p in ref.named_parameters()}
+
+
+def _through_wire(t: torch.Tensor, codec, direction: str) -> torch.Tensor:
+    """Encode with the codec, cross a real frame encode/decode, decode: what a hop does."""
+    ctx = LinkContext()
+    payload = codec.encode_forward(t, ctx) if direction == "f" else codec.encode_backward(t, ctx)
+    frame = decode_frame(
+        encode_frame(Frame(kind="forward", run_id="r", tensors=payload, shape=list(t.shape)))
+    )
+    dec = codec.decode_forward if direction == "f" else codec.decode_backward
+    return dec(frame.tensors, ctx, tuple(t.shape))
+
+
+def _pipeline(model, ranges, ids, labels, codec):
+    pm = copy.deepcopy(model)
+    # each stage gets its own copy of the model, as separate processes would
+    stages = [build_stage(pm, ranges, i, keep_model=True) for i in range(len(ranges))]
+    outs, leaves = [], []
+    x = ids
+    for i, st in enumerate(stages):
+        leaf = None
+        if i > 0:
+            leaf = _through_wire(x.detach(), codec, "f").requires_grad_(True)
+            x = leaf
+        y = st(x)
+        outs.append(y)
+        leaves.append(leaf)
+        x = y
+    loss, _ = causal_lm_loss(outs[-1], labels)
+    loss.backward()
+    for i in range(len(stages) - 1, 0, -1):
+        g = _through_wire(leaves[i].grad, codec, "b")
+        outs[i - 1].backward(g)
+    return outs[-1].detach(), loss.detach(), stages
+
+
+def _grads_by_full_name(stages, ranges):
+    out = {}
+    for st, (start, _end) in zip(stages, ranges):
+        for n, p in st.named_parameters():
+            if n.startswith("layers."):
+                idx, rest = n.split(".", 2)[1:]
+                full = f"model.layers.{start + int(idx)}.{rest}"
+            elif n.startswith("embed_tokens"):
+                full = "model." + n
+            elif n.startswith("norm"):
+                full = "model." + n
+            elif n.startswith("lm_head"):
+                full = n
+            else:
+                continue
+            out[full] = out[full] + p.grad if full in out and p.grad is not None else p.grad
+    return out
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("n_stages", [1, 2, 3, 4])
+def test_pipeline_equals_whole_model(n_stages, tie):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config(layers=4, tie=tie)).float()
+    ids = torch.randint(0, 512, (2, 12))
+    labels = ids.clone()
+    labels[:, :4] = IGNORE_INDEX
+    ref_logits, ref_loss, ref_grads = _reference(model, ids, labels)
+    ranges = default_stage_ranges(model, n_stages)
+    logits, loss, stages = _pipeline(model, ranges, ids, labels, DenseCodec("float32"))
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-6)
+    grads = _grads_by_full_name(stages, ranges)
+    names = {n for n in ref_grads if not (tie and n == "lm_head.weight")}
+    assert names <= set(grads) | ({"lm_head.weight"} if tie else set())
+    for n in names:
+        g = grads[n]
+        if tie and n == "model.embed_tokens.weight" and n_stages > 1:
+            # untied across stages: the head's and the tail's copies each hold one part of the tied gradient
+            g = g + grads["lm_head.weight"]
+        torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-6, msg=f"gradient of {n}")
+
+
+def test_bf16_wire_is_close_but_not_exact(tiny_model):
+    ids = torch.randint(0, 512, (2, 12))
+    ref_logits, _, _ = _reference(tiny_model, ids, ids)
+    ranges = default_stage_ranges(tiny_model, 2)
+    logits, _, _ = _pipeline(tiny_model, ranges, ids, ids, DenseCodec("bfloat16"))
+    err = (logits - ref_logits).abs().max().item()
+    assert 0 < err < 0.05
+
+
+def test_balance_layers_minimises_the_largest_stage():
+    costs = [1.0] * 8
+    assert balance_layers(costs, 2) == [[0, 4], [4, 8]]
+    # a heavy tail (lm_head) gets fewer layers
+    r = balance_layers(costs, 2, tail_extra=4.0)
+    assert r == [[0, 6], [6, 8]]
+    for n in range(1, 9):
+        r = balance_layers(costs, n)
+        assert len(r) == n and r[0][0] == 0 and r[-1][1] == 8
+        assert all(a[1] == b[0] for a, b in zip(r, r[1:]))
+    with pytest.raises(ValueError):
+        balance_layers(costs, 9)
+
+
+@pytest.mark.slow
+def test_bundled_model_two_stages_equal_whole():
+    model, tok, _ = load_model("bundled")
+    ids = torch.tensor([tok("Q: 12+34=\nA: 46")["input_ids"]])
+    ref_logits, ref_loss, ref_grads = _reference(model, ids, ids)
+    ranges = default_stage_ranges(model, 2)
+    logits, loss, stages = _pipeline(model, ranges, ids, ids, DenseCodec("float32"))
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-4)
+    grads = _grads_by_full_name(stages, ranges)
+    for n in (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.29.mlp.down_proj.weight",
+        "model.norm.weight",
+    ):
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-3, atol=1e-6)
