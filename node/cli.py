@@ -25,7 +25,41 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--stages", type=int, default=d["stages"], help="pipeline stages of a new run (default: %(default)s)"
     )
-    g.add_argument("--codec", default=d["codec"], help="pipeline-link codec (default: %(default)s)")
+    g.add_argument(
+        "--codec",
+        default=d["codec"],
+        choices=["dense", "mask", "pca", "topk", "int8", "int4", "bottleneck"],
+        help="pipeline-link codec (default: %(default)s)",
+    )
+    g.add_argument(
+        "--mask-rate",
+        type=float,
+        default=d["mask_rate"],
+        help="mask codec: share of hidden channels dropped per token (default: %(default)s)",
+    )
+    g.add_argument(
+        "--mask-rescale",
+        action="store_true",
+        help="mask codec: scale kept channels by 1/(1-rate) (unbiased; off as in the paper)",
+    )
+    g.add_argument(
+        "--codec-k",
+        type=int,
+        default=d["codec_k"],
+        help="pca/topk/bottleneck: coefficients or channels per token (default: %(default)s)",
+    )
+    g.add_argument(
+        "--pca-dtype",
+        default=d["pca_dtype"],
+        choices=["int8", "bfloat16", "float32"],
+        help="pca codec: coefficient dtype; int8 uses per-block scales (default: %(default)s)",
+    )
+    g.add_argument(
+        "--dense-every",
+        type=int,
+        default=d["dense_every"],
+        help="send every K-th step uncompressed (periodic clean step); 0 = never (default: %(default)s)",
+    )
     g.add_argument(
         "--wire-dtype",
         default=d["wire_dtype"],

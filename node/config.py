@@ -34,6 +34,11 @@ class NodeConfig:
     stages: int = 2
     codec: str = "dense"
     wire_dtype: str = "bfloat16"
+    mask_rate: float = 0.95
+    mask_rescale: bool = False
+    codec_k: int = 58  # pca / topk / bottleneck: coefficients or channels per token
+    pca_dtype: str = "int8"
+    dense_every: int = 0  # a dense (uncompressed) step every K steps; 0 = never
     seed: int = 0
     lr: float = 1e-4
     weight_decay: float = 0.0

@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from compression.registry import make_codec
 from node.config import NodeConfig
 from node.data import ByteTokenizer, load_examples, microbatches
 from node.devices import pick_device
+from node.links import codec_settings
 from node.membership import (
     JoinError,
     publish_run_record,
@@ -36,7 +36,6 @@ log = logging.getLogger("node")
 
 
 def new_run_record(cfg: NodeConfig, model, name: str, model_hash: str) -> RunRecord:
-    codec = make_codec(cfg.codec, **({"wire_dtype": cfg.wire_dtype} if cfg.codec == "dense" else {}))
     return RunRecord(
         run_id=cfg.run_id,
         model_name=name,
@@ -44,7 +43,8 @@ def new_run_record(cfg: NodeConfig, model, name: str, model_hash: str) -> RunRec
         num_layers=model.config.num_hidden_layers,
         hidden=model.config.hidden_size,
         stages=default_stage_ranges(model, cfg.stages),
-        codec=codec.describe(),
+        codec=codec_settings(cfg),
+        dense_every=cfg.dense_every,
         seed=cfg.seed,
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
@@ -53,11 +53,6 @@ def new_run_record(cfg: NodeConfig, model, name: str, model_hash: str) -> RunRec
         microbatch=cfg.microbatch,
         batch_tokens=cfg.batch_tokens,
     )
-
-
-def codec_from_record(run: RunRecord):
-    settings = {k: v for k, v in run.codec.items() if k != "codec"}
-    return make_codec(run.codec["codec"], **settings)
 
 
 def claim_stage(cfg: NodeConfig, dht, run: RunRecord, peer_id: str) -> int:
@@ -131,7 +126,7 @@ def run_join(cfg: NodeConfig) -> int:
             tok = tok or ByteTokenizer(stage.config.vocab_size)
             examples = load_examples(cfg.data, seed=run.seed)
             data = microbatches(examples, tok, run.microbatch, run.seq_len, seed=hash(peer_id) & 0xFFFFFFFF)
-        runtime = StageRuntime(cfg, run, index, stage, codec_from_record(run), dht, peer_id, data, device)
+        runtime = StageRuntime(cfg, run, index, stage, dht, peer_id, data, device)
         runtime.maddrs = maddrs
 
         async def main():

@@ -24,14 +24,27 @@ from dataclasses import dataclass
 import torch
 from hivemind.p2p import PeerID
 
-from compression.codec import LinkCodec, LinkContext
+from compression.codec import LinkContext
+from compression.prf import mask_seed
 from node.config import NodeConfig
 from node.health import write_health
+from node.links import Link
 from node.membership import read_stage_records, store_stage_record
 from node.routing import choose_peer
 from node.stages import Stage, causal_lm_loss
 from node.transport import close_quietly, read_message, write_message
-from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame, error_frame
+from protocol.frames import (
+    MAX_FRAME_BYTES,
+    Frame,
+    FrameError,
+    MalformedFrame,
+    ShapeMismatch,
+    decode_frame,
+    encode_frame,
+    error_frame,
+    pack_labels,
+    unpack_labels,
+)
 from protocol.records import RunRecord, StageRecord
 
 log = logging.getLogger("node")
@@ -129,15 +142,6 @@ class Metrics:
         self._pending_losses = []
 
 
-def mask_seed_for(run: RunRecord, step: int, microbatch: int, boundary: int) -> int:
-    """The 64-bit seed a masked codec derives its mask from (dense ignores it)."""
-    try:
-        from compression.prf import mask_seed
-    except ImportError:  # pragma: no cover - prf lands with the masked-links work
-        return 0
-    return mask_seed(run.seed, step, microbatch, boundary)
-
-
 class StageRuntime:
     def __init__(
         self,
@@ -145,15 +149,16 @@ class StageRuntime:
         run: RunRecord,
         stage_index: int,
         stage: Stage,
-        codec: LinkCodec,
         dht,
         peer_id: str,
         data_stream=None,
         device: torch.device | None = None,
     ):
-        self.cfg, self.run, self.index, self.stage, self.codec = cfg, run, stage_index, stage, codec
+        self.cfg, self.run, self.index, self.stage = cfg, run, stage_index, stage
         self.n_stages = len(run.stages)
         self.is_head, self.is_tail = stage_index == 0, stage_index == self.n_stages - 1
+        self.link_in = None if self.is_head else Link(run, stage_index - 1)
+        self.link_out = None if self.is_tail else Link(run, stage_index)
         self.dht, self.peer_id = dht, peer_id
         self.data = data_stream
         self.device = device or torch.device("cpu")
@@ -171,6 +176,7 @@ class StageRuntime:
         self.stop = asyncio.Event()
         self.p2p = None
         self.maddrs: list[str] = []
+        self.bases = None  # node.basis.BasisStore when the run's codec needs a basis
         params = [p for p in stage.parameters() if p.requires_grad]
         self.params = params
         self.opt = torch.optim.AdamW(params, lr=run.lr, weight_decay=run.weight_decay)
@@ -321,10 +327,11 @@ class StageRuntime:
         self, step: int, mb: int, path: list[str], y: torch.Tensor, labels: torch.Tensor
     ) -> Frame:
         boundary = self.index
-        seed = mask_seed_for(self.run, step, mb, boundary)
-        ctx = LinkContext(seed=seed)
-        tensors = dict(self.codec.encode_forward(y.detach().cpu(), ctx))
-        tensors["labels"] = labels.to(torch.int32)
+        codec = self.link_out.for_step(step)
+        seed = mask_seed(self.run.seed, step, mb, boundary)
+        ctx = LinkContext(seed=seed, basis_version=getattr(codec, "version", None) or 0)
+        tensors = dict(codec.encode_forward(y.detach(), ctx))
+        tensors["labels"] = pack_labels(labels, self.stage.config.vocab_size)
         return Frame(
             kind="forward",
             run_id=self.run.run_id,
@@ -332,8 +339,9 @@ class StageRuntime:
             microbatch=mb,
             boundary=boundary,
             path=path + [self.peer_id],
-            codec=self.codec.codec_id,
+            codec=codec.codec_id,
             seed=seed,
+            basis_version=ctx.basis_version,
             shape=list(y.shape),
             tensors=tensors,
         )
@@ -371,14 +379,12 @@ class StageRuntime:
             close_quietly(writer)
 
     def _check_forward(self, frame: Frame) -> None:
-        from protocol.frames import MalformedFrame, ShapeMismatch
-
         if frame.kind != "forward":
             raise MalformedFrame(f"expected a forward frame, got {frame.kind}")
         if frame.boundary != self.index - 1:
             raise MalformedFrame(f"frame for boundary {frame.boundary} reached stage {self.index}")
-        if frame.codec != self.codec.codec_id:
-            raise MalformedFrame(f"codec {frame.codec!r}, this run uses {self.codec.codec_id!r}")
+        if self.link_in.by_id(frame.codec) is None:
+            raise MalformedFrame(f"codec {frame.codec!r} is not this run's ({self.run.codec['codec']!r})")
         if len(frame.shape) != 3 or frame.shape[2] != self.run.hidden:
             raise ShapeMismatch(f"activation shape {frame.shape} does not end in hidden {self.run.hidden}")
         labels = frame.tensors.get("labels")
@@ -387,42 +393,44 @@ class StageRuntime:
         if frame.shape[1] > self.run.seq_len or frame.shape[0] > self.run.microbatch:
             raise ShapeMismatch(f"microbatch {frame.shape[:2]} exceeds the run's limits")
 
+    async def _run_rest(
+        self, x: torch.Tensor, labels: torch.Tensor, step: int, mb: int, path: list[str], tokens: int
+    ) -> tuple[torch.Tensor | None, dict]:
+        """Run this stage on ``x``, send the result on and backprop the reply.
+
+        Returns the gradient with respect to ``x`` (None on the head) and the tail's loss meta.
+        Raises HopFailed when the next stage cannot be reached.
+        """
+        t0 = time.perf_counter()
+        if self.is_tail:
+            loss, n_loss, grad_x = await self.compute(self._tail, x, labels)
+            self._record_throughput(tokens, time.perf_counter() - t0)
+            return grad_x, {"loss": loss, "tokens": n_loss}
+        y, leaf = await self.compute(self._forward, x)
+        self._record_throughput(tokens, time.perf_counter() - t0)
+        down = self._forward_frame(step, mb, path, y, labels)
+        bwd = await self.send_downstream(down, tokens)
+        codec = self.link_out.by_id(down.codec)
+        ctx = LinkContext(seed=down.seed, basis_version=down.basis_version)
+        grad_y = codec.decode_backward(bwd.tensors, ctx, tuple(y.shape))
+        grad_x = await self.compute(self._backward, y, grad_y, leaf)
+        return grad_x, {k: bwd.meta[k] for k in ("loss", "tokens") if k in bwd.meta}
+
     async def serve_forward(self, frame: Frame) -> Frame:
         self._check_forward(frame)
+        codec = self.link_in.by_id(frame.codec)
         ctx = self._link_ctx(frame)
         shape = tuple(frame.shape)
+        await self._ensure_basis(codec, frame)
         try:
-            x = self.codec.decode_forward(
-                {k: v for k, v in frame.tensors.items() if k != "labels"}, ctx, shape
-            )
+            x = codec.decode_forward({k: v for k, v in frame.tensors.items() if k != "labels"}, ctx, shape)
         except (KeyError, RuntimeError, ValueError) as e:
-            from protocol.frames import MalformedFrame
-
             raise MalformedFrame(f"payload does not decode with codec {frame.codec}: {e}") from None
-        labels = frame.tensors["labels"]
+        labels = unpack_labels(frame.tensors["labels"])
         tokens = shape[0] * shape[1]
         await self.gate.enter(self.cfg.hop_timeout)
-        loss, n_loss, meta = None, 0, {}
         try:
-            t0 = time.perf_counter()
-            if self.is_tail:
-                loss, n_loss, grad_x = await self.compute(self._tail, x, labels)
-                meta = {"loss": loss, "tokens": n_loss}
-                self._record_throughput(tokens, time.perf_counter() - t0)
-            else:
-                y, leaf = await self.compute(self._forward, x)
-                self._record_throughput(tokens, time.perf_counter() - t0)
-                down = self._forward_frame(frame.step, frame.microbatch, frame.path, y, labels)
-                try:
-                    bwd = await self.send_downstream(down, tokens)
-                except HopFailed:
-                    del y, leaf  # free the graph now, not when the reply is garbage collected
-                    raise
-                grad_y = self.codec.decode_backward(
-                    {k: v for k, v in bwd.tensors.items()}, LinkContext(seed=down.seed), tuple(y.shape)
-                )
-                grad_x = await self.compute(self._backward, y, grad_y, leaf)
-                meta = {k: v for k, v in bwd.meta.items() if k in ("loss", "tokens")}
+            grad_x, meta = await self._run_rest(x, labels, frame.step, frame.microbatch, frame.path, tokens)
         finally:
             await self.gate.exit()
         reply = Frame(
@@ -431,45 +439,40 @@ class StageRuntime:
             step=frame.step,
             microbatch=frame.microbatch,
             boundary=frame.boundary,
-            path=frame.path,
             codec=frame.codec,
             seed=frame.seed,
+            basis_version=frame.basis_version,
             shape=list(shape),
-            tensors=self.codec.encode_backward(grad_x.cpu(), ctx),
+            tensors=codec.encode_backward(grad_x.cpu(), ctx),
             meta={**meta, "mb_tokens": tokens},
         )
-        await self._account(tokens, loss, n_loss)
+        await self._account(tokens, meta.get("loss") if self.is_tail else None, int(meta.get("tokens", 0)))
         return reply
+
+    async def _ensure_basis(self, codec, frame: Frame) -> None:
+        """Basis codecs: fetch a basis version this node does not hold yet (once per version)."""
+        if (
+            self.bases is not None
+            and hasattr(codec, "versions")
+            and frame.basis_version not in codec.versions
+        ):
+            await self.bases.fetch(frame.boundary, frame.basis_version, codec)
 
     # ---------------------------------------------------------------- head: driving microbatches
     async def run_microbatch(self, ids: torch.Tensor, labels: torch.Tensor) -> None:
         tokens = ids.numel()
         self._mb_counter += 1
         mb = self._mb_prefix | self._mb_counter
-        loss = None
-        n_loss = 0
         try:
-            t0 = time.perf_counter()
-            if self.is_tail:  # a one-stage run: the whole model here
-                loss, n_loss, _ = await self.compute(self._tail, ids, labels)
-            else:
-                y, _ = await self.compute(self._forward, ids)
-                self._record_throughput(tokens, time.perf_counter() - t0)
-                down = self._forward_frame(self.inner_step, mb, [], y, labels)
-                try:
-                    bwd = await self.send_downstream(down, tokens)
-                except HopFailed as e:
-                    self.metrics.dropped += 1
-                    log.warning("dropped microbatch %x: %s", mb, e)
-                    return
-                grad_y = self.codec.decode_backward(bwd.tensors, LinkContext(seed=down.seed), tuple(y.shape))
-                await self.compute(self._backward, y, grad_y, None)
-                if "loss" in bwd.meta:
-                    loss = float(bwd.meta["loss"])
-                    n_loss = int(bwd.meta.get("tokens", 0))
+            _, meta = await self._run_rest(ids, labels, self.inner_step, mb, [], tokens)
+        except HopFailed as e:
+            self.metrics.dropped += 1
+            log.warning("dropped microbatch %x: %s", mb, e)
+            return
         finally:
             await self.gate.exit()
-        await self._account(tokens, loss, n_loss)
+        loss = float(meta["loss"]) if "loss" in meta else None
+        await self._account(tokens, loss, int(meta.get("tokens", 0)))
 
     async def head_loop(self) -> None:
         tasks: set[asyncio.Task] = set()

@@ -73,6 +73,14 @@ def node_command(args, i: int, nodedir: Path, run_id: str, peers: list[str]) -> 
         str(args.stages),
         "--codec",
         args.codec,
+        "--mask-rate",
+        str(args.mask_rate),
+        "--codec-k",
+        str(args.codec_k),
+        "--pca-dtype",
+        args.pca_dtype,
+        "--dense-every",
+        str(args.dense_every),
         "--wire-dtype",
         args.wire_dtype,
         "--seed",
@@ -90,6 +98,8 @@ def node_command(args, i: int, nodedir: Path, run_id: str, peers: list[str]) -> 
         "--batch-tokens",
         str(args.batch_tokens),
     ]
+    if args.mask_rescale:
+        cmd.append("--mask-rescale")
     if peers:
         cmd += ["--peers", *peers]
     return cmd

@@ -260,3 +260,24 @@ def decode_frame(
 def error_frame(run_id: str, err: Exception) -> Frame:
     code = err.code if isinstance(err, FrameError) else "internal"
     return Frame(kind="error", run_id=run_id, meta={"code": code, "message": str(err)[:500]})
+
+
+def pack_labels(labels: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Labels on the wire: 2 bytes per token when the vocabulary fits (id + 1, 0 = ignored).
+
+    Labels travel with every forward frame, so at 5% masking they would otherwise be a
+    sizeable share of the link's bytes.
+    """
+    if vocab < 2**16 - 1:
+        coded = (labels.to(torch.int32) + 1).clamp_(min=0)  # IGNORE_INDEX (-100) -> 0
+        return torch.where(coded > 32767, coded - 65536, coded).to(torch.int16)
+    return labels.to(torch.int32)
+
+
+def unpack_labels(t: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    if t.dtype == torch.int16:
+        ids = (t.to(torch.int32) & 0xFFFF) - 1
+        return torch.where(ids < 0, torch.full_like(ids, ignore_index), ids).long()
+    if t.dtype in (torch.int32, torch.int64):
+        return t.long()
+    raise BadDtype(f"labels must be int16 or int32, not {t.dtype}")

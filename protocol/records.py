@@ -45,6 +45,7 @@ class RunRecord:
     hidden: int
     stages: list[list[int]]  # [start, end) decoder-layer ranges, one per stage
     codec: dict = field(default_factory=lambda: {"codec": "dense", "wire_dtype": "bfloat16"})
+    dense_every: int = 0  # periodic clean step: every K-th step crosses links uncompressed
     seed: int = 0
     lr: float = 1e-4
     weight_decay: float = 0.0
@@ -79,6 +80,7 @@ class RunRecord:
                 "hidden": int,
                 "stages": list,
                 "codec": dict,
+                "dense_every": int,
                 "seed": int,
                 "lr": (int, float),
                 "weight_decay": (int, float),

@@ -201,3 +201,16 @@ def test_truncated_or_flipped_frames_fail_typed(data):
         decode_frame(bytes(raw))
     except FrameError:
         pass
+
+
+def test_labels_pack_to_two_bytes_and_back():
+    from protocol.frames import pack_labels, unpack_labels
+
+    labels = torch.tensor([[-100, 0, 5, 49151], [32767, 32768, 65533, -100]])
+    packed = pack_labels(labels, vocab=65534)
+    assert packed.dtype == torch.int16
+    assert torch.equal(unpack_labels(packed), labels)
+    wide = pack_labels(labels, vocab=200_000)
+    assert wide.dtype == torch.int32 and torch.equal(unpack_labels(wide), labels)
+    with pytest.raises(BadDtype):
+        unpack_labels(torch.zeros(2, dtype=torch.float32))

@@ -1,0 +1,61 @@
+"""Which codec each pipeline boundary uses, per step, and the settings a run publishes.
+
+A node has up to two links: its input boundary (stage-1 -> stage) and its output boundary
+(stage -> stage+1). Each gets its own codec instances, because basis codecs (PCA) hold a
+different basis per boundary. A run may also schedule a dense step every K steps (the
+periodic clean step baseline); both ends then expect either codec, named in the frame.
+"""
+
+from __future__ import annotations
+
+from compression.codec import DenseCodec, LinkCodec
+from compression.mask import is_dense_step
+from compression.registry import make_codec
+from node.config import NodeConfig
+from protocol.records import RunRecord
+
+
+def codec_settings(cfg: NodeConfig) -> dict:
+    """The codec description a new run publishes (what ``describe()`` of the codec returns)."""
+    name = cfg.codec
+    if name == "dense":
+        kw = {"wire_dtype": cfg.wire_dtype}
+    elif name == "mask":
+        kw = {"rate": cfg.mask_rate, "wire_dtype": cfg.wire_dtype, "rescale": cfg.mask_rescale}
+    elif name == "pca":
+        kw = {"k": cfg.codec_k, "coeff_dtype": cfg.pca_dtype}
+    elif name in ("topk", "bottleneck"):
+        kw = {"k": cfg.codec_k}
+    else:
+        kw = {}
+    return make_codec(name, **kw).describe()
+
+
+def build_codec(desc: dict) -> LinkCodec:
+    return make_codec(desc["codec"], **{k: v for k, v in desc.items() if k != "codec"})
+
+
+class Link:
+    """The codecs of one boundary: the run's codec and, if scheduled, the dense one."""
+
+    def __init__(self, run: RunRecord, boundary: int):
+        self.boundary = boundary
+        self.main = build_codec(run.codec)
+        self.dense_every = run.dense_every
+        wire = run.codec.get("wire_dtype", "bfloat16")
+        self.dense = self.main if self.main.codec_id == "dense" else DenseCodec(wire)
+
+    @property
+    def needs_basis(self) -> bool:
+        return hasattr(self.main, "set_basis")
+
+    def for_step(self, step: int) -> LinkCodec:
+        return self.dense if self.dense_every and is_dense_step(step, self.dense_every) else self.main
+
+    def by_id(self, codec_id: str) -> LinkCodec | None:
+        """The codec a received frame names, or None if this run does not use it on this link."""
+        if codec_id == self.main.codec_id:
+            return self.main
+        if codec_id == "dense" and self.dense_every:
+            return self.dense
+        return None
