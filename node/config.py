@@ -38,6 +38,7 @@ class NodeConfig:
     mask_rescale: bool = False
     codec_k: int = 58  # pca / topk / bottleneck: coefficients or channels per token
     pca_dtype: str = "int8"
+    calibration_tokens: int = 2048  # tokens the run's starter uses to fit a basis codec
     dense_every: int = 0  # a dense (uncompressed) step every K steps; 0 = never
     seed: int = 0
     lr: float = 1e-4

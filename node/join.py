@@ -9,13 +9,15 @@ import os
 import signal
 import sys
 import time
+import zlib
 
 import torch
 
+from node.basis import BASIS_VERSION, BasisStore, calibrate
 from node.config import NodeConfig
 from node.data import ByteTokenizer, load_examples, microbatches
 from node.devices import pick_device
-from node.links import codec_settings
+from node.links import build_codec, codec_settings
 from node.membership import (
     JoinError,
     publish_run_record,
@@ -53,6 +55,34 @@ def new_run_record(cfg: NodeConfig, model, name: str, model_hash: str) -> RunRec
         microbatch=cfg.microbatch,
         batch_tokens=cfg.batch_tokens,
     )
+
+
+def needs_basis(run: RunRecord) -> bool:
+    return run.codec.get("codec") == "pca"
+
+
+def calibrate_bases(cfg: NodeConfig, run: RunRecord, model, tok) -> list:
+    """Basis payloads (version 1) of every boundary, from the run's data through the pretrained model."""
+    tok = tok or ByteTokenizer(model.config.vocab_size)
+    examples = load_examples(cfg.data, seed=run.seed)
+    batches = microbatches(examples, tok, run.microbatch, run.seq_len, seed=run.seed)
+    t0 = time.monotonic()
+    log.info("calibrating the link bases of %d boundaries (once per run)...", len(run.stages) - 1)
+    fitted = calibrate(
+        model,
+        run.stages,
+        batches,
+        k=run.codec["k"],
+        pad_id=tok.eos_token_id or 0,
+        max_tokens=cfg.calibration_tokens,
+    )
+    payloads = []
+    for mean, v in fitted:
+        codec = build_codec(run.codec)
+        codec.set_basis(mean, v, BASIS_VERSION)
+        payloads.append(codec.basis_payload())
+    log.info("bases ready in %.1fs", time.monotonic() - t0)
+    return payloads
 
 
 def claim_stage(cfg: NodeConfig, dht, run: RunRecord, peer_id: str) -> int:
@@ -102,6 +132,7 @@ def run_join(cfg: NodeConfig) -> int:
                 )
         model, tok, name = load_model(cfg.model, seed=cfg.seed if run is None else run.seed)
         model_hash = content_hash(model)
+        run_is_new = run is None
         if run is None:
             run = new_run_record(cfg, model, name, model_hash)
             publish_run_record(dht, run)
@@ -112,6 +143,12 @@ def run_join(cfg: NodeConfig) -> int:
                 f"this node's model ({name}, hash {model_hash[:12]}) differs from the run's "
                 f"({run.model_name}, {run.model_hash[:12]}); pass the same --model as the swarm"
             )
+        bases = None
+        if needs_basis(run):
+            bases = BasisStore(run.run_id, dht, peer_id, timeout=cfg.join_timeout)
+            if run_is_new:  # the starter holds the whole pretrained model: calibrate every boundary
+                for b, payload in enumerate(calibrate_bases(cfg, run, model, tok)):
+                    bases.add(b, payload)
         index = claim_stage(cfg, dht, run, peer_id)
         start, end = run.stages[index]
         print(f"peer {peer_id} serves stage {index} (layers {start}..{end - 1}) on {device}", flush=True)
@@ -125,9 +162,10 @@ def run_join(cfg: NodeConfig) -> int:
         if index == 0:
             tok = tok or ByteTokenizer(stage.config.vocab_size)
             examples = load_examples(cfg.data, seed=run.seed)
-            data = microbatches(examples, tok, run.microbatch, run.seq_len, seed=hash(peer_id) & 0xFFFFFFFF)
+            data = microbatches(examples, tok, run.microbatch, run.seq_len, seed=zlib.crc32(peer_id.encode()))
         runtime = StageRuntime(cfg, run, index, stage, dht, peer_id, data, device)
         runtime.maddrs = maddrs
+        runtime.bases = bases
 
         async def main():
             p2p = await dht.replicate_p2p()

@@ -107,15 +107,17 @@ def load_model(model: str, seed: int = 0):
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     if model == TINY or model.startswith("tiny:"):
-        layers = int(model.split(":")[1]) if ":" in model else 4
+        parts = model.split(":")  # tiny[:LAYERS[:HIDDEN]]
+        layers = int(parts[1]) if len(parts) > 1 else 4
+        hidden = int(parts[2]) if len(parts) > 2 else 64
         # Same seed on every peer -> the same random-init weights everywhere (verified by hash).
         gen_state = torch.random.get_rng_state()
         torch.manual_seed(seed)
         try:
-            m = LlamaForCausalLM(tiny_config(layers=layers))
+            m = LlamaForCausalLM(tiny_config(layers=layers, hidden=hidden))
         finally:
             torch.random.set_rng_state(gen_state)
-        return m.float().eval(), None, f"tiny-llama-{layers}"
+        return m.float().eval(), None, f"tiny-llama-{layers}x{hidden}"
     path = resolve_model_path(model)
     if not Path(path, "config.json").exists():
         raise ModelError(

@@ -42,6 +42,8 @@ def build_report(metrics: list[dict], n_stages: int, **extra) -> dict:
         ],
         "stages": dict(sorted(stages.items())),
         "dropped_microbatches": sum(m["dropped_microbatches"] for m in metrics),
+        # one-time cost of basis codecs: every basis download that crossed the network
+        "basis_bytes": sum(m.get("basis_bytes_fetched", 0) for m in metrics),
         "rejected_frames": sum(m["rejected_frames"] for m in metrics),
         "microbatches_per_peer": {m["peer_id"]: m["microbatches"] for m in metrics},
         "nodes": metrics,

@@ -26,6 +26,7 @@ from hivemind.p2p import PeerID
 
 from compression.codec import LinkContext
 from compression.prf import mask_seed
+from node.basis import BasisUnavailable
 from node.config import NodeConfig
 from node.health import write_health
 from node.links import Link
@@ -514,6 +515,11 @@ class StageRuntime:
             except Exception as e:
                 log.info("heartbeat failed: %s", e)
             await self.refresh_routes()
+            if self.bases is not None:
+                try:
+                    await self.bases.announce()
+                except Exception as e:
+                    log.info("basis announce failed: %s", e)
             self.write_metrics()
             self.write_health(serving=True)
             try:
@@ -535,6 +541,8 @@ class StageRuntime:
             "dropped_microbatches": m.dropped,
             "rejected_frames": m.rejected_frames,
             "skipped_steps": m.skipped_steps,
+            "basis_bytes_fetched": self.bases.bytes_fetched if self.bases else 0,
+            "basis_bytes_served": self.bases.bytes_served if self.bases else 0,
             "throughput": self._throughput,
             "compute_s": m.compute_s,
             "links": [
@@ -575,6 +583,9 @@ class StageRuntime:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop.set)
+        if self.bases is not None:
+            await self.bases.start(p2p)
+            await self._install_bases()
         await p2p.add_binary_stream_handler(HANDLER, self.handle_stream)
         await store_stage_record(
             self.dht,
@@ -614,6 +625,16 @@ class StageRuntime:
         except Exception:
             pass
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _install_bases(self) -> None:
+        """Basis codecs: get the newest basis of both links before serving (the sender needs it)."""
+        for boundary, link in ((self.index - 1, self.link_in), (self.index, self.link_out)):
+            if link is None or not link.needs_basis:
+                continue
+            version = await self.bases.latest_version(boundary)
+            if version is None:
+                raise BasisUnavailable(f"no peer announces a basis for boundary {boundary}")
+            await self.bases.fetch(boundary, version, link.main)
 
     async def wait_for_pipeline(self) -> None:
         """The head waits until every stage has a ready peer, with a progress line."""

@@ -26,6 +26,10 @@ def stage_key(run_id: str, stage: int) -> str:
     return f"vnode.{run_id}.stage.{stage}"
 
 
+def basis_key(run_id: str, boundary: int) -> str:
+    return f"vnode.{run_id}.basis.{boundary}"
+
+
 def _check(record, types: dict[str, type | tuple]) -> None:
     for name, expected in types.items():
         value = getattr(record, name)

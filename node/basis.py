@@ -1,0 +1,195 @@
+"""Fixed link bases (the PCA codec): calibrate once, publish through the swarm, fetch on demand.
+
+The node that starts a run holds the whole pretrained model, so it calibrates the basis of
+every boundary from the run's data (the activations of the untouched pretrained weights,
+as in the reference measurement) and serves it. Every node that later holds a basis
+announces itself in the DHT (``vnode.<run>.basis.<boundary>``, subkey = peer id) and serves
+it too, so no node is special once the swarm is up. A basis travels once per node and
+boundary; its bytes are counted as a one-time cost. Frames name the basis version they
+were encoded with, and a receiver that lacks that version fetches it before decoding:
+never decoding with the wrong one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+
+import torch
+from hivemind.p2p import PeerID
+
+from compression.codec import Payload
+from compression.pca import fit_basis
+from node.membership import dht_call
+from node.transport import close_quietly, read_message, write_message
+from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame, error_frame
+from protocol.records import RecordError, basis_key
+
+log = logging.getLogger("node")
+
+HANDLER = "vnode.basis"
+BASIS_TTL_S = 60.0
+BASIS_VERSION = 1  # refresh policy: never (measured in bench/results: the step-0 basis keeps learning)
+
+
+class BasisUnavailable(RuntimeError):
+    pass
+
+
+def digest(payload: Payload) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name in ("mean", "V", "version"):
+        h.update(payload[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def real_tokens(ids: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """Right-padded rows: positions up to the last non-pad token, plus the closing eos (= pad)."""
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    last = torch.where(ids != pad_id, pos, torch.zeros_like(pos)).max(dim=1, keepdim=True).values
+    return pos <= last + 1
+
+
+@torch.no_grad()
+def calibrate(model, ranges: list[list[int]], batches, k: int, pad_id: int, max_tokens: int = 8192) -> list:
+    """(mean, V) of every boundary's activations over the real tokens of ``batches``."""
+    samples: list[list[torch.Tensor]] = [[] for _ in range(len(ranges) - 1)]
+    seen = 0
+    for ids, _labels in batches:
+        out = model(input_ids=ids, output_hidden_states=True)
+        keep = real_tokens(ids, pad_id)
+        for b in range(len(ranges) - 1):
+            # hidden_states[i] is the residual stream entering layer i = leaving layer i-1
+            samples[b].append(out.hidden_states[ranges[b][1]][keep].float())
+        seen += int(keep.sum())
+        if seen >= max_tokens:
+            break
+    return [fit_basis(torch.cat(s), k) for s in samples]
+
+
+class BasisStore:
+    """The bases this node holds (boundary -> version -> payload), served to peers."""
+
+    def __init__(self, run_id: str, dht, peer_id: str, timeout: float):
+        self.run_id, self.dht, self.peer_id, self.timeout = run_id, dht, peer_id, timeout
+        self.held: dict[tuple[int, int], Payload] = {}
+        self.p2p = None
+        self.bytes_served = 0
+        self.bytes_fetched = 0
+        self._locks: dict[tuple[int, int], asyncio.Lock] = {}
+
+    def add(self, boundary: int, payload: Payload) -> None:
+        self.held[(boundary, int(payload["version"][0]))] = payload
+
+    async def start(self, p2p) -> None:
+        self.p2p = p2p
+        await p2p.add_binary_stream_handler(HANDLER, self.handle)
+        await self.announce()
+
+    async def announce(self) -> None:
+        from hivemind.utils import get_dht_time
+
+        for (boundary, version), payload in self.held.items():
+            await dht_call(
+                self.dht,
+                "store",
+                basis_key(self.run_id, boundary),
+                {"version": version, "digest": digest(payload)},
+                subkey=self.peer_id,
+                expiration_time=get_dht_time() + BASIS_TTL_S,
+                timeout=self.timeout,
+            )
+
+    async def handle(self, stream_info, reader, writer) -> None:
+        try:
+            try:
+                req = decode_frame(await read_message(reader, 4096, self.timeout), run_id=self.run_id)
+                payload = self.held.get((req.boundary, req.basis_version))
+                if req.kind != "basis" or payload is None:
+                    raise FrameError(f"no basis {req.boundary}:{req.basis_version} here")
+                reply = Frame(
+                    kind="basis",
+                    run_id=self.run_id,
+                    boundary=req.boundary,
+                    basis_version=req.basis_version,
+                    tensors=payload,
+                )
+            except FrameError as e:
+                reply = error_frame(self.run_id, e)
+            data = encode_frame(reply)
+            if reply.kind == "basis":
+                self.bytes_served += len(data)
+            await write_message(writer, data, self.timeout)
+        except Exception as e:  # the requester went away
+            log.debug("basis stream ended: %s", e)
+        finally:
+            close_quietly(writer)
+
+    async def holders(self, boundary: int, version: int) -> list[tuple[str, str]]:
+        found = await dht_call(
+            self.dht, "get", basis_key(self.run_id, boundary), latest=True, timeout=self.timeout
+        )
+        out = []
+        if found is not None and isinstance(found.value, dict):
+            for peer, item in found.value.items():
+                try:
+                    v = item.value
+                    if not (
+                        isinstance(v, dict)
+                        and isinstance(v.get("digest"), str)
+                        and v.get("version") == version
+                    ):
+                        raise RecordError("malformed basis record")
+                    out.append((peer, v["digest"]))
+                except (RecordError, AttributeError):
+                    continue
+        return out
+
+    async def latest_version(self, boundary: int) -> int | None:
+        found = await dht_call(
+            self.dht, "get", basis_key(self.run_id, boundary), latest=True, timeout=self.timeout
+        )
+        versions = [
+            item.value.get("version")
+            for item in (found.value.values() if found else [])
+            if isinstance(getattr(item, "value", None), dict)
+        ]
+        versions = [v for v in versions if isinstance(v, int)]
+        return max(versions) if versions else None
+
+    async def fetch(self, boundary: int, version: int, codec) -> None:
+        """Install basis ``version`` of ``boundary`` into ``codec``, fetching it if not held."""
+        key = (boundary, version)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:  # many frames may ask at once; fetch once
+            if key not in self.held:
+                self.held[key] = await self._download(boundary, version)
+                await self.announce()
+            if version not in codec.versions:
+                codec.basis_from_payload(self.held[key])
+
+    async def _download(self, boundary: int, version: int) -> Payload:
+        holders = [h for h in await self.holders(boundary, version) if h[0] != self.peer_id]
+        random.shuffle(holders)
+        for peer, want in holders:
+            try:
+                _, reader, writer = await asyncio.wait_for(
+                    self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), HANDLER), self.timeout
+                )
+                try:
+                    req = Frame(kind="basis", run_id=self.run_id, boundary=boundary, basis_version=version)
+                    await write_message(writer, encode_frame(req), self.timeout)
+                    data = await read_message(reader, MAX_FRAME_BYTES, self.timeout)
+                finally:
+                    close_quietly(writer)
+                reply = decode_frame(data, run_id=self.run_id)
+                if reply.kind != "basis" or digest(reply.tensors) != want:
+                    raise FrameError("basis reply does not match its announced digest")
+                self.bytes_fetched += len(data)
+                log.info("fetched basis %d:%d from %s (%d bytes)", boundary, version, peer[:12], len(data))
+                return reply.tensors
+            except (FrameError, asyncio.TimeoutError, OSError, ConnectionError, KeyError) as e:
+                log.info("basis fetch from %s failed: %s", peer[:12], e)
+        raise BasisUnavailable(f"no live peer holds basis {version} of boundary {boundary}")
