@@ -55,6 +55,47 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         help="pca codec: coefficient dtype; int8 uses per-block scales (default: %(default)s)",
     )
     g.add_argument(
+        "--ap-alpha",
+        type=float,
+        default=d["ap_alpha"],
+        help="anchor priors: weight of the raw masked gradient, 1 = filter off (default: %(default)s)",
+    )
+    g.add_argument(
+        "--ap-tau",
+        type=float,
+        default=d["ap_tau"],
+        help="anchor priors: spectral shrinkage d = s/(s+tau) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--ap-beta",
+        type=float,
+        default=d["ap_beta"],
+        help="anchor priors: EMA factor of anchor gradients (default: %(default)s)",
+    )
+    g.add_argument(
+        "--ap-tau-relative",
+        action="store_true",
+        help="anchor priors: tau relative to the top singular value (deviation from the paper)",
+    )
+    g.add_argument(
+        "--ap-max-staleness",
+        type=int,
+        default=d["ap_max_staleness"],
+        help="drop anchor packets older than this many fast steps (default: %(default)s)",
+    )
+    g.add_argument(
+        "--anchor-pull-every",
+        type=int,
+        default=d["anchor_pull_every"],
+        help="anchors re-pull weights once they are this many fast steps old (default: %(default)s)",
+    )
+    g.add_argument(
+        "--anchor-rank",
+        type=int,
+        default=d["anchor_rank"],
+        help="rank of the gradient factors an anchor sends per matrix (default: %(default)s)",
+    )
+    g.add_argument(
         "--dense-every",
         type=int,
         default=d["dense_every"],
@@ -170,6 +211,13 @@ def add_network_args(p: argparse.ArgumentParser) -> None:
         "--run-id", default=d["run_id"], help="which run of the swarm to join (default: %(default)s)"
     )
     g.add_argument(
+        "--circuit",
+        default=d["circuit"],
+        choices=["fast", "anchor"],
+        help="fast: compressed links and training; anchor: dense, unmasked replica that feeds "
+        "the fast peers' spectral filter (default: %(default)s)",
+    )
+    g.add_argument(
         "--stage", default=d["stage"], help="'auto' claims the least-served stage, or a stage index"
     )
     g.add_argument(
@@ -225,6 +273,20 @@ def add_network_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def run_arg_flags(args: argparse.Namespace) -> list[str]:
+    """The run-settings flags of ``args`` as a command line (the swarm passes them to every node)."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_run_args(probe)
+    out: list[str] = []
+    for action in probe._actions:
+        value = getattr(args, action.dest)
+        if isinstance(action, argparse._StoreTrueAction):
+            out += [action.option_strings[0]] if value else []
+        else:
+            out += [action.option_strings[0], str(value)]
+    return out
+
+
 def config_from_args(a: argparse.Namespace) -> NodeConfig:
     cfg = NodeConfig()
     for f in fields(NodeConfig):
@@ -248,7 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_node_args(j)
 
     s = sub.add_parser("swarm", help="run a local swarm of N node processes on loopback and write a report")
-    s.add_argument("--nodes", type=int, default=3, help="node processes (default: %(default)s)")
+    s.add_argument("--nodes", type=int, default=3, help="fast node processes (default: %(default)s)")
+    s.add_argument(
+        "--anchors",
+        type=int,
+        default=0,
+        help="anchor nodes per stage, started after the fast nodes (default: %(default)s)",
+    )
     s.add_argument(
         "--steps", type=int, default=30, help="inner steps of the tail stage to train (default: %(default)s)"
     )

@@ -39,7 +39,15 @@ class NodeConfig:
     codec_k: int = 58  # pca / topk / bottleneck: coefficients or channels per token
     pca_dtype: str = "int8"
     calibration_tokens: int = 2048  # tokens the run's starter uses to fit a basis codec
-    dense_every: int = 0  # a dense (uncompressed) step every K steps; 0 = never
+    dense_every: int = 0
+    # anchor priors (DESIGN 4.2): the fast nodes' filter, the anchors' staleness and packet rank
+    ap_alpha: float = 0.3
+    ap_tau: float = 1e-3
+    ap_beta: float = 0.95
+    ap_tau_relative: bool = False
+    ap_max_staleness: int = 30
+    anchor_pull_every: int = 20
+    anchor_rank: int = 16  # a dense (uncompressed) step every K steps; 0 = never
     seed: int = 0
     lr: float = 1e-4
     weight_decay: float = 0.0

@@ -183,6 +183,12 @@ class _OuterAverager(DecentralizedAverager):
         # configuration into the schema hash that matchmaking compares.
         self.schema_hash = hashlib.blake2b(self.schema_hash + config_tag.encode(), digest_size=20).digest()
 
+    @staticmethod
+    def _Popen(process_obj):
+        # The helper shares tensors, locks and pipes with the host by inheritance: always fork, also
+        # in a process whose default start method is "spawn" (e.g. one started by multiprocessing).
+        return mp.get_context("fork").Process._Popen(process_obj)
+
     # ------------------------------------------------------------------ host side
     def get_current_state(self):
         """Called in the host process (hivemind's background thread) when a peer downloads our state."""

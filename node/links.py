@@ -38,11 +38,12 @@ def build_codec(desc: dict) -> LinkCodec:
 class Link:
     """The codecs of one boundary: the run's codec and, if scheduled, the dense one."""
 
-    def __init__(self, run: RunRecord, boundary: int):
+    def __init__(self, run: RunRecord, boundary: int, dense_only: bool = False):
         self.boundary = boundary
-        self.main = build_codec(run.codec)
-        self.dense_every = run.dense_every
         wire = run.codec.get("wire_dtype", "bfloat16")
+        # the anchor circuit is dense by definition, whatever codec the fast circuit uses
+        self.main = DenseCodec(wire) if dense_only else build_codec(run.codec)
+        self.dense_every = 0 if dense_only else run.dense_every
         self.dense = self.main if self.main.codec_id == "dense" else DenseCodec(wire)
 
     @property

@@ -16,14 +16,30 @@ def merge_losses(per_replica: list[list[float]]) -> list[float]:
     return out
 
 
-def build_report(metrics: list[dict], n_stages: int, **extra) -> dict:
-    tails = [m for m in metrics if m["stage"] == n_stages - 1]
+def sum_links(metrics: list[dict]) -> list[dict]:
+    """Bytes and tokens per (boundary, direction), summed over the nodes that wrote the frames."""
     links: dict[tuple[int, str], dict] = defaultdict(lambda: {"bytes": 0, "tokens": 0, "frames": 0})
     for m in metrics:
         for lk in m["links"]:
             c = links[(lk["boundary"], lk["direction"])]
             for k in ("bytes", "tokens", "frames"):
                 c[k] += lk[k]
+    return [
+        {
+            "boundary": b,
+            "direction": d,
+            **c,
+            "bytes_per_token": c["bytes"] / c["tokens"] if c["tokens"] else None,
+        }
+        for (b, d), c in sorted(links.items())
+    ]
+
+
+def build_report(metrics: list[dict], n_stages: int, **extra) -> dict:
+    # the training loss a user cares about is the fast circuit's; anchors only feed its filter
+    tails = [m for m in metrics if m["stage"] == n_stages - 1 and m.get("circuit", "fast") == "fast"]
+    fast = [m for m in metrics if m.get("circuit", "fast") == "fast"]
+    anchors = [m for m in metrics if m.get("circuit", "fast") == "anchor"]
     stages: dict[str, list[str]] = defaultdict(list)
     for m in metrics:
         stages[str(m["stage"])].append(m["peer_id"])
@@ -31,19 +47,16 @@ def build_report(metrics: list[dict], n_stages: int, **extra) -> dict:
         **extra,
         "loss": merge_losses([m["step_losses"] for m in tails]),
         "tokens": sum(m["trained_tokens"] for m in tails),
-        "links": [
-            {
-                "boundary": b,
-                "direction": d,
-                **c,
-                "bytes_per_token": c["bytes"] / c["tokens"] if c["tokens"] else None,
-            }
-            for (b, d), c in sorted(links.items())
-        ],
+        "links": sum_links(fast),
+        "anchor_links": sum_links(anchors),  # the anchors' own dense pipeline
         "stages": dict(sorted(stages.items())),
         "dropped_microbatches": sum(m["dropped_microbatches"] for m in metrics),
         # one-time cost of basis codecs: every basis download that crossed the network
         "basis_bytes": sum(m.get("basis_bytes_fetched", 0) for m in metrics),
+        # anchor circuit: gradient packets sent to fast peers, and weight pulls from them
+        "anchor_bytes": sum(m.get("anchor_bytes", 0) for m in metrics),
+        "anchor_pull_bytes": sum(m.get("anchor_pull_bytes", 0) for m in metrics),
+        "anchor_packets_received": sum(m.get("anchor_packets_received", 0) for m in metrics),
         "rejected_frames": sum(m["rejected_frames"] for m in metrics),
         "microbatches_per_peer": {m["peer_id"]: m["microbatches"] for m in metrics},
         "nodes": metrics,

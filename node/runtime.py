@@ -26,6 +26,8 @@ from hivemind.p2p import PeerID
 
 from compression.codec import LinkContext
 from compression.prf import mask_seed
+from compression.spectral import SpectralFilter, filter_gradients
+from node.anchors import ANCHOR_HANDLER, WEIGHTS_HANDLER, AnchorClient, PacketSink, WeightServer
 from node.basis import BasisUnavailable
 from node.config import NodeConfig
 from node.health import write_health
@@ -126,6 +128,7 @@ class Metrics:
         self.rejected_frames = 0
         self.skipped_steps = 0
         self.compute_s = 0.0
+        self.filter_s = 0.0
 
     def count_frame(self, boundary: int, direction: str, nbytes: int, tokens: int) -> None:
         c = self.links[(boundary, direction)]
@@ -158,8 +161,24 @@ class StageRuntime:
         self.cfg, self.run, self.index, self.stage = cfg, run, stage_index, stage
         self.n_stages = len(run.stages)
         self.is_head, self.is_tail = stage_index == 0, stage_index == self.n_stages - 1
-        self.link_in = None if self.is_head else Link(run, stage_index - 1)
-        self.link_out = None if self.is_tail else Link(run, stage_index)
+        dense_only = cfg.circuit == "anchor"
+        self.link_in = None if self.is_head else Link(run, stage_index - 1, dense_only)
+        self.link_out = None if self.is_tail else Link(run, stage_index, dense_only)
+        a = run.anchor
+        self.filter = None
+        self.anchor = None
+        if cfg.circuit == "anchor":
+            self.anchor = AnchorClient(self, pull_every=int(a["pull_every"]), rank=int(a["rank"]))
+        else:
+            self.filter = SpectralFilter(
+                alpha=a["alpha"],
+                tau=a["tau"],
+                beta=a["beta"],
+                max_staleness=int(a["max_staleness"]),
+                tau_relative=bool(a["tau_relative"]),
+            )
+            self.weight_server = WeightServer(self)
+            self.packet_sink = PacketSink(self)
         self.dht, self.peer_id = dht, peer_id
         self.data = data_stream
         self.device = device or torch.device("cpu")
@@ -214,6 +233,10 @@ class StageRuntime:
         for p in self.params:
             if p.grad is not None:
                 p.grad.div_(n)  # mean over this node's microbatches
+        if self.filter is not None:  # anchor priors: filter, then clip, then AdamW (DESIGN 4.2)
+            t0 = time.perf_counter()
+            filter_gradients(self.filter, self.stage.named_parameters())
+            self.metrics.filter_s += time.perf_counter() - t0
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.run.clip)
         ok = bool(torch.isfinite(norm))
         if ok:  # a non-finite gradient never reaches the weights
@@ -237,7 +260,13 @@ class StageRuntime:
     async def _step(self) -> None:
         if self._acc_micro == 0:
             return
-        ok = await self.compute(self._optimizer_step)
+        if self.anchor is not None:  # anchors take no optimizer step: their gradients go to the fast peers
+            await self.anchor.send_packets()
+            if self.anchor.needs_pull():
+                await self.anchor.pull()
+            ok = True
+        else:
+            ok = await self.compute(self._optimizer_step)
         self.metrics.trained_tokens += self._acc_tokens
         if not ok:
             self.metrics.skipped_steps += 1
@@ -542,6 +571,12 @@ class StageRuntime:
             "rejected_frames": m.rejected_frames,
             "skipped_steps": m.skipped_steps,
             "basis_bytes_fetched": self.bases.bytes_fetched if self.bases else 0,
+            "anchor_bytes": self.anchor.packet_bytes if self.anchor else 0,
+            "anchor_pull_bytes": self.anchor.pull_bytes if self.anchor else 0,
+            "anchor_pulls": self.anchor.pulls if self.anchor else 0,
+            "anchor_packets_received": self.packet_sink.received if self.filter is not None else 0,
+            "anchor_packets_stale": self.packet_sink.dropped_stale if self.filter is not None else 0,
+            "filter_s": m.filter_s,
             "basis_bytes_served": self.bases.bytes_served if self.bases else 0,
             "throughput": self._throughput,
             "compute_s": m.compute_s,
@@ -586,6 +621,11 @@ class StageRuntime:
         if self.bases is not None:
             await self.bases.start(p2p)
             await self._install_bases()
+        if self.anchor is not None:
+            await self._first_pull()
+        else:
+            await p2p.add_binary_stream_handler(WEIGHTS_HANDLER, self.weight_server.handle)
+            await p2p.add_binary_stream_handler(ANCHOR_HANDLER, self.packet_sink.handle)
         await p2p.add_binary_stream_handler(HANDLER, self.handle_stream)
         await store_stage_record(
             self.dht,
@@ -625,6 +665,18 @@ class StageRuntime:
         except Exception:
             pass
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _first_pull(self) -> None:
+        """An anchor starts from a fast peer's current weights, not the pretrained ones."""
+        while not self.stop.is_set():
+            await self.refresh_routes()
+            if self.anchor.fast_peers() and await self.anchor.pull():
+                return
+            log.info("anchor waiting for a fast peer of stage %d to pull weights from", self.index)
+            try:
+                await asyncio.wait_for(self.stop.wait(), 2.0)
+            except asyncio.TimeoutError:
+                pass
 
     async def _install_bases(self) -> None:
         """Basis codecs: get the newest basis of both links before serving (the sender needs it)."""

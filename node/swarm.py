@@ -17,6 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
+from node.cli import run_arg_flags
 from node.report import build_report, plot_loss
 
 READY_TIMEOUT_S = 300.0  # first start may convert the bundled model (~20-40 s on 2 cores)
@@ -34,7 +35,9 @@ def _tail(path: Path, n: int = 5) -> str:
         return ""
 
 
-def node_command(args, i: int, nodedir: Path, run_id: str, peers: list[str]) -> list[str]:
+def node_command(
+    args, i: int, nodedir: Path, run_id: str, peers: list[str], circuit: str = "fast"
+) -> list[str]:
     cmd = [
         sys.executable,
         "-m",
@@ -63,49 +66,20 @@ def node_command(args, i: int, nodedir: Path, run_id: str, peers: list[str]) -> 
         "--heartbeat",
         "1.0",
         "--wait-peers",
-        str(args.nodes),
+        str(args.nodes + args.anchors * args.stages),
     ]
     # every node gets the run settings; only the first one's are published, the rest verify the model
-    cmd += [
-        "--model",
-        args.model,
-        "--stages",
-        str(args.stages),
-        "--codec",
-        args.codec,
-        "--mask-rate",
-        str(args.mask_rate),
-        "--codec-k",
-        str(args.codec_k),
-        "--pca-dtype",
-        args.pca_dtype,
-        "--dense-every",
-        str(args.dense_every),
-        "--wire-dtype",
-        args.wire_dtype,
-        "--seed",
-        str(args.seed),
-        "--lr",
-        str(args.lr),
-        "--weight-decay",
-        str(args.weight_decay),
-        "--clip",
-        str(args.clip),
-        "--seq-len",
-        str(args.seq_len),
-        "--microbatch",
-        str(args.microbatch),
-        "--batch-tokens",
-        str(args.batch_tokens),
-    ]
-    if args.mask_rescale:
-        cmd.append("--mask-rescale")
+    cmd += run_arg_flags(args)
+    if circuit != "fast":
+        cmd += ["--circuit", circuit]
     if peers:
         cmd += ["--peers", *peers]
     return cmd
 
 
-def start_node(args, i: int, report: Path, run_id: str, peers: list[str]) -> tuple[subprocess.Popen, dict]:
+def start_node(
+    args, i: int, report: Path, run_id: str, peers: list[str], circuit: str = "fast"
+) -> tuple[subprocess.Popen, dict]:
     nodedir = report / "nodes" / str(i)
     nodedir.mkdir(parents=True, exist_ok=True)
     for stale in ("ready.json", "metrics.json"):
@@ -113,7 +87,7 @@ def start_node(args, i: int, report: Path, run_id: str, peers: list[str]) -> tup
     log = open(nodedir / "node.log", "w")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        node_command(args, i, nodedir, run_id, peers),
+        node_command(args, i, nodedir, run_id, peers, circuit),
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
@@ -170,7 +144,8 @@ def read_metrics(report: Path, n: int) -> list[dict]:
 
 
 def tail_steps(metrics: list[dict], n_stages: int) -> int:
-    return max((m["inner_step"] for m in metrics if m["stage"] == n_stages - 1), default=0)
+    fast_tails = (m for m in metrics if m["stage"] == n_stages - 1 and m.get("circuit", "fast") == "fast")
+    return max((m["inner_step"] for m in fast_tails), default=0)
 
 
 def _table(metrics: list[dict], steps: int, n_stages: int, t0: float):
@@ -233,6 +208,12 @@ def run_swarm(args) -> int:
             procs.append(proc)
             stages.append(ready["stage"])
             print(f"  node {i} -> stage {ready['stage']}", flush=True)
+        for j in range(args.anchors * args.stages):
+            i = args.nodes + j
+            proc, ready = start_node(args, i, report, run_id, peers, circuit="anchor")
+            procs.append(proc)
+            stages.append(ready["stage"])
+            print(f"  node {i} -> stage {ready['stage']} (anchor)", flush=True)
         status = watch(args, report, procs, t_start)
     except KeyboardInterrupt:
         print("interrupted; stopping the swarm", flush=True)
@@ -242,7 +223,7 @@ def run_swarm(args) -> int:
         status = 2
     finally:
         stop_nodes(procs, stages + [len(stages)] * (len(procs) - len(stages)))
-    metrics = read_metrics(report, args.nodes)
+    metrics = read_metrics(report, len(procs))
     rep = build_report(
         metrics,
         args.stages,

@@ -20,7 +20,7 @@ MAX_TENSORS = 16
 MAX_DIMS = 4
 MAX_PATH = 64
 
-KINDS = ("forward", "backward", "error", "basis")
+KINDS = ("forward", "backward", "error", "basis", "weights", "anchor")
 
 # Only these dtypes may arrive over the wire (no object, no complex, nothing exotic).
 WIRE_DTYPES: dict[str, torch.dtype] = {

@@ -50,6 +50,18 @@ class RunRecord:
     stages: list[list[int]]  # [start, end) decoder-layer ranges, one per stage
     codec: dict = field(default_factory=lambda: {"codec": "dense", "wire_dtype": "bfloat16"})
     dense_every: int = 0  # periodic clean step: every K-th step crosses links uncompressed
+    # anchor priors: the fast nodes' spectral filter and the anchors' pull/packet settings
+    anchor: dict = field(
+        default_factory=lambda: {
+            "alpha": 0.3,
+            "tau": 1e-3,
+            "beta": 0.95,
+            "max_staleness": 30,
+            "tau_relative": False,
+            "pull_every": 20,
+            "rank": 16,
+        }
+    )
     seed: int = 0
     lr: float = 1e-4
     weight_decay: float = 0.0
@@ -85,6 +97,7 @@ class RunRecord:
                 "stages": list,
                 "codec": dict,
                 "dense_every": int,
+                "anchor": dict,
                 "seed": int,
                 "lr": (int, float),
                 "weight_decay": (int, float),

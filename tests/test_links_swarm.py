@@ -56,7 +56,19 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("links")
     return {
         "dense": _swarm(tmp, "dense"),
-        "mask": _swarm(tmp, "mask", "--codec", "mask", "--mask-rate", "0.95"),
+        # M95 with one anchor per stage: the fast links' bytes are counted apart from the anchors'
+        "mask": _swarm(
+            tmp,
+            "mask",
+            "--codec",
+            "mask",
+            "--mask-rate",
+            "0.95",
+            "--anchors",
+            "1",
+            "--anchor-pull-every",
+            "4",
+        ),
         "pca": _swarm(tmp, "pca", "--codec", "pca", "--codec-k", "32", stages=3, nodes=3, model="tiny:3:640"),
     }
 
@@ -74,10 +86,20 @@ def test_m95_sends_at_most_a_nineteenth_of_dense(runs):
         assert 64 <= mask[key] < 64 + 8
 
 
-def test_masked_swarm_trains(runs):
-    loss = runs["mask"]["loss"]
+def test_masked_swarm_with_anchors_trains_and_counts_anchor_bytes(runs):
+    rep = runs["mask"]
+    loss = rep["loss"]
     assert len(loss) >= 12
     assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3
+    # anchors ran their own dense pipeline and sent gradient factors the fast nodes' filters took
+    assert {(lk["boundary"], lk["direction"]) for lk in rep["anchor_links"]} == {
+        (0, "forward"),
+        (0, "backward"),
+    }
+    assert rep["anchor_bytes"] > 0 and rep["anchor_pull_bytes"] > 0
+    assert rep["anchor_packets_received"] > 0
+    fast_nodes = [m for m in rep["nodes"] if m["circuit"] == "fast"]
+    assert all(m["anchor_packets_received"] > 0 for m in fast_nodes)
 
 
 def test_pca_swarm_trains_and_counts_basis_bytes(runs):

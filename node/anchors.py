@@ -1,0 +1,261 @@
+"""The anchor circuit (DESIGN.md 4.2): dense replicas a few steps behind feed the fast ones' filter.
+
+* Fast nodes serve their stage's weights (``vnode.weights``) and accept gradient packets
+  (``vnode.anchor``), which go into their SpectralFilter, tagged with the source step.
+* Anchor nodes pull weights from a fast peer of their stage whenever those are more than
+  ``pull_every`` fast steps old, train unmasked on their own dense pipeline without an
+  optimizer step, and after each local batch send the gradients of the targeted matrices
+  (2-D decoder projections) to every fast peer of their stage.
+
+Transport: each matrix gradient travels as rank-r factors (U·diag(s), V) in bf16, from a
+randomized SVD: the filter only uses the leading subspace, so r(m+n) numbers stand in for
+mn. Weights travel in bf16, in frames of at most ``MAX_TENSORS`` tensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import torch
+from hivemind.p2p import PeerID
+
+from compression.spectral import is_target_matrix
+from node.transport import close_quietly, read_message, write_message
+from protocol.frames import MAX_FRAME_BYTES, MAX_TENSORS, Frame, FrameError, decode_frame, encode_frame
+
+log = logging.getLogger("node")
+
+WEIGHTS_HANDLER = "vnode.weights"
+ANCHOR_HANDLER = "vnode.anchor"
+FACTORS_PER_FRAME = MAX_TENSORS // 2
+
+
+def factorize(grad: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank-r factors (A = U·diag(s), B = V) with A Bᵀ ≈ grad; exact when rank >= min(m, n)."""
+    g = grad.detach().float()
+    r = min(rank, *g.shape)
+    if r == min(g.shape):
+        u, s, vh = torch.linalg.svd(g, full_matrices=False)
+    else:
+        gen_state = torch.random.get_rng_state()
+        u, s, v = torch.svd_lowrank(g, q=r, niter=2)
+        torch.random.set_rng_state(gen_state)  # svd_lowrank draws from the global RNG
+        vh = v.T
+    return (u[:, :r] * s[:r]).contiguous(), vh[:r].T.contiguous()
+
+
+def chunks(items: list, n: int) -> list[list]:
+    return [items[i : i + n] for i in range(0, len(items), n)]
+
+
+async def _request(
+    p2p, peer: str, handler: str, frame: Frame, timeout: float, run_id: str
+) -> tuple[list[Frame], int]:
+    """Send one frame, read reply frames until one is marked last; returns them and the bytes sent."""
+    _, reader, writer = await asyncio.wait_for(
+        p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler), timeout
+    )
+    out = []
+    data = encode_frame(frame)
+    try:
+        await write_message(writer, data, timeout)
+        while True:
+            reply = decode_frame(await read_message(reader, MAX_FRAME_BYTES, timeout), run_id=run_id)
+            if reply.kind == "error":
+                raise FrameError(str(reply.meta.get("message", "error")))
+            out.append(reply)
+            if reply.meta.get("last"):
+                break
+    finally:
+        close_quietly(writer)
+    return out, len(data)
+
+
+class WeightServer:
+    """Fast side: serve a consistent snapshot of the stage's weights (taken in the compute thread)."""
+
+    def __init__(self, runtime):
+        self.rt = runtime
+        self.bytes_served = 0
+
+    async def handle(self, stream_info, reader, writer) -> None:
+        rt = self.rt
+        try:
+            req = decode_frame(await read_message(reader, 4096, rt.cfg.hop_timeout), run_id=rt.run.run_id)
+            if req.kind != "weights":
+                raise FrameError("expected a weights request")
+            step, named = await rt.compute(self._snapshot)
+            groups = chunks(sorted(named.items()), MAX_TENSORS)
+            for i, group in enumerate(groups):
+                data = encode_frame(
+                    Frame(
+                        kind="weights",
+                        run_id=rt.run.run_id,
+                        step=step,
+                        tensors=dict(group),
+                        meta={"last": int(i == len(groups) - 1)},
+                    )
+                )
+                self.bytes_served += len(data)
+                await write_message(writer, data, rt.cfg.hop_timeout)
+        except Exception as e:
+            log.debug("weights stream ended: %s", e)
+        finally:
+            close_quietly(writer)
+
+    def _snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
+        return self.rt.inner_step, {
+            n: p.detach().to(torch.bfloat16).cpu().clone() for n, p in self.rt.stage.named_parameters()
+        }
+
+
+class PacketSink:
+    """Fast side: accept anchor gradient packets into the spectral filter (in the compute thread)."""
+
+    def __init__(self, runtime):
+        self.rt = runtime
+        self.received = 0
+        self.dropped_stale = 0
+
+    async def handle(self, stream_info, reader, writer) -> None:
+        rt = self.rt
+        try:
+            frame = decode_frame(
+                await read_message(reader, MAX_FRAME_BYTES, rt.cfg.hop_timeout), run_id=rt.run.run_id
+            )
+            if frame.kind != "anchor":
+                raise FrameError("expected an anchor packet")
+            names = str(frame.meta.get("names", "")).split(",")
+            params = dict(rt.stage.named_parameters())
+            pairs = []
+            for i, name in enumerate(names):
+                a, b = frame.tensors.get(f"{i}.a"), frame.tensors.get(f"{i}.b")
+                p = params.get(name)
+                if (
+                    a is None
+                    or b is None
+                    or p is None
+                    or not is_target_matrix(name, p)
+                    or a.shape[0] != p.shape[0]
+                    or b.shape[0] != p.shape[1]
+                    or a.shape[1] != b.shape[1]
+                ):
+                    raise FrameError(f"anchor packet entry {name!r} does not fit this stage")
+                pairs.append((name, a, b))
+            accepted = await rt.compute(self._observe, pairs, frame.step)
+            self.received += accepted
+            self.dropped_stale += len(pairs) - accepted
+            ack = Frame(kind="anchor", run_id=rt.run.run_id, meta={"last": 1, "accepted": accepted})
+            await write_message(writer, encode_frame(ack), rt.cfg.hop_timeout)
+        except Exception as e:
+            log.info("anchor packet refused: %s", e)
+        finally:
+            close_quietly(writer)
+
+    def _observe(self, pairs, source_step: int) -> int:
+        n = 0
+        for name, a, b in pairs:
+            grad = a.float() @ b.float().T
+            n += bool(self.rt.filter.observe(name, grad, source_step, self.rt.inner_step))
+        return n
+
+
+class AnchorClient:
+    """Anchor side: pull weights from fast peers, send gradient packets to them."""
+
+    def __init__(self, runtime, pull_every: int, rank: int):
+        self.rt = runtime
+        self.pull_every = pull_every
+        self.rank = rank
+        self.source_step = -1  # the fast step the current weights come from
+        self.packet_bytes = 0
+        self.pull_bytes = 0
+        self.pulls = 0
+
+    def fast_peers(self) -> dict:
+        rt = self.rt
+        return {p: r for p, r in rt.routes[rt.index].items() if r.ready and r.circuit == "fast"}
+
+    def needs_pull(self) -> bool:
+        newest = max((r.inner_step for r in self.fast_peers().values()), default=None)
+        return newest is not None and (self.source_step < 0 or newest - self.source_step >= self.pull_every)
+
+    async def pull(self) -> bool:
+        """Copy the weights of the most advanced fast peer of this stage into our stage."""
+        rt = self.rt
+        peers = sorted(self.fast_peers().items(), key=lambda kv: -kv[1].inner_step)
+        for peer, _ in peers:
+            try:
+                frames, _ = await _request(
+                    rt.p2p,
+                    peer,
+                    WEIGHTS_HANDLER,
+                    Frame(kind="weights", run_id=rt.run.run_id),
+                    rt.cfg.hop_timeout * 4,
+                    rt.run.run_id,
+                )
+                named = {k: v for f in frames for k, v in f.tensors.items()}
+                own = dict(rt.stage.named_parameters())
+                if set(named) != set(own) or any(named[k].shape != own[k].shape for k in own):
+                    raise FrameError("weights do not match this stage's parameters")
+                await rt.compute(self._load, named)
+                self.source_step = frames[0].step
+                self.pull_bytes += sum(
+                    sum(t.numel() * t.element_size() for t in f.tensors.values()) for f in frames
+                )
+                self.pulls += 1
+                log.info("anchor pulled weights of step %d from %s", self.source_step, peer[:12])
+                return True
+            except (FrameError, asyncio.TimeoutError, OSError, ConnectionError) as e:
+                log.info("weight pull from %s failed: %s", peer[:12], e)
+        return False
+
+    def _load(self, named: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for n, p in self.rt.stage.named_parameters():
+                p.copy_(named[n].to(p.dtype))
+
+    def _packets(self) -> list[dict[str, torch.Tensor]]:
+        """Factors of the accumulated gradients of the target matrices, grouped per frame."""
+        rt = self.rt
+        n = max(rt._acc_micro, 1)
+        entries = [
+            (name, *factorize(p.grad / n, self.rank))
+            for name, p in rt.stage.named_parameters()
+            if p.grad is not None and is_target_matrix(name, p)
+        ]
+        for p in rt.params:
+            p.grad = None
+        return [
+            {
+                "names": ",".join(e[0] for e in group),
+                "tensors": {
+                    k: v
+                    for i, (_, a, b) in enumerate(group)
+                    for k, v in ((f"{i}.a", a.to(torch.bfloat16)), (f"{i}.b", b.to(torch.bfloat16)))
+                },
+            }
+            for group in chunks(entries, FACTORS_PER_FRAME)
+        ]
+
+    async def send_packets(self) -> None:
+        rt = self.rt
+        packets = await rt.compute(self._packets)
+        for peer in self.fast_peers():
+            for pk in packets:
+                frame = Frame(
+                    kind="anchor",
+                    run_id=rt.run.run_id,
+                    step=max(self.source_step, 0),
+                    tensors=pk["tensors"],
+                    meta={"names": pk["names"]},
+                )
+                try:
+                    _, sent = await _request(
+                        rt.p2p, peer, ANCHOR_HANDLER, frame, rt.cfg.hop_timeout, rt.run.run_id
+                    )
+                    self.packet_bytes += sent
+                except (FrameError, asyncio.TimeoutError, OSError, ConnectionError) as e:
+                    log.info("anchor packet to %s failed: %s", peer[:12], e)
+                    break
