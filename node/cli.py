@@ -157,6 +157,14 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--threads", type=int, default=d["threads"], help="torch CPU threads, 0 = torch default")
     g.add_argument(
+        "--max-memory",
+        dest="max_memory_gb",
+        type=float,
+        default=d["max_memory_gb"],
+        help="GiB this node may use: it claims only a stage whose estimate fits, and refuses "
+        "with a message when none does; 0 = no limit (default: %(default)s)",
+    )
+    g.add_argument(
         "--max-inflight",
         type=int,
         default=d["max_inflight"],

@@ -58,7 +58,10 @@ class NodeConfig:
     # this node
     data: str = "arithmetic"
     device: str = "auto"
-    threads: int = 0  # torch threads; 0 = torch's default
+    threads: int = 0
+    max_memory_gb: float = (
+        0.0  # refuse stages whose estimate exceeds this; 0 = no limit  # torch threads; 0 = torch's default
+    )
     max_inflight: int = 4
     wait_peers: int = 0  # head: start driving data once this many peers are ready (local swarms)
     max_steps: int = 0  # stop after this many inner steps (0 = run until stopped)

@@ -20,3 +20,35 @@ def pick_device(choice: str) -> torch.device:
     if choice == "cuda":
         log.warning("--device cuda: CUDA is not available on this machine; falling back to CPU")
     return torch.device("cpu")
+
+
+GIB = 1024**3
+
+
+def stage_memory_bytes(
+    n_params: int,
+    n_layers: int,
+    hidden: int,
+    vocab: int | None,
+    microbatch: int,
+    seq_len: int,
+    max_inflight: int,
+    device: torch.device,
+) -> dict[str, int]:
+    """A stage's memory: fp32 weights + grads + AdamW moments (16 B/param), and the activations
+    autograd keeps per in-flight microbatch (~34·h bytes per token per layer in 16-bit, doubled in
+    fp32; Korthikanti et al. 2022), plus the tail's logits."""
+    act_bytes = 2 if device.type == "cuda" else 4
+    tokens = microbatch * seq_len * max_inflight
+    activations = n_layers * tokens * 34 * hidden * act_bytes // 2
+    if vocab:
+        activations += tokens * vocab * 4 * 2  # fp32 logits and their gradient
+    states = n_params * 16
+    return {"states": states, "activations": activations, "total": states + activations}
+
+
+def describe_memory(mem: dict[str, int]) -> str:
+    return (
+        f"~{mem['total'] / GIB:.1f} GiB (weights+grads+AdamW {mem['states'] / GIB:.1f} GiB, "
+        f"activations {mem['activations'] / GIB:.1f} GiB)"
+    )

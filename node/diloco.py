@@ -72,8 +72,10 @@ from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
-from hivemind.averaging.partition import AllreduceException
-from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.averaging.partition import AllreduceException, BannedException
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 
 from compression.outer import GaslocOuter, OuterNesterov
 from compression.powersgd import DEFAULT_MIN_COMPRESS_NUMEL, PowerSGD, PowerSGDState, bytes_for, initial_q
@@ -123,8 +125,17 @@ def _salt_of(group_id: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(b"q-salt" + group_id, digest_size=8).digest(), "little")
 
 
-class _CountingRunner(AllReduceRunner):
-    """An AllReduceRunner that adds up the serialized size of every message this peer sends."""
+class _ExactRunner(AllReduceRunner):
+    """hivemind's butterfly all-reduce, changed in two ways.
+
+    1. Every member ends with the reducer's average itself. Stock hivemind returns
+       average - local and adds it back, which leaves each member a different rounding of the
+       average; PowerSGD cannot live with that: where P_avg is rank-deficient, QR turns those
+       last-bit differences into different noise columns of P_hat on each member, and their
+       d_hat's then differ by far more than rounding. With exact averages all members compute
+       bit-identical P_hat, Q_avg, d_hat and theta (same CPU math library).
+    2. The serialized size of every message this peer sends is added to ``counter[0]``.
+    """
 
     def __init__(self, *args, counter: list[int], **kwargs):
         super().__init__(*args, **kwargs)
@@ -135,10 +146,42 @@ class _CountingRunner(AllReduceRunner):
             self._counter[0] += msg.ByteSize()
             yield msg
 
+    async def _communicate_with_peer(self, peer_id):
+        if peer_id != self.peer_id:
+            return await super()._communicate_with_peer(peer_id)
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        sender_index = self.sender_peer_ids.index(peer_id)
+        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            averaged = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, tensor_part, weight=self.weight
+            )
+            self.tensor_part_container.register_processed_part(peer_index, part_index, averaged.clone())
+
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
-        async for msg in super()._accumulate_parts_streaming(stream, sender_index):
-            self._counter[0] += msg.ByteSize()
-            yield msg
+        part_index = 0
+        try:
+            loop = asyncio.get_event_loop()
+            async for tensor_part, weight, part_compression in amap_in_executor(
+                _unpack_part,
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                try:
+                    averaged = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=weight
+                    )
+                    part_index += 1
+                except BannedException:
+                    break  # the sender was dropped; nothing more to aggregate from it
+                serialized = await loop.run_in_executor(
+                    None, serialize_torch_tensor, averaged, part_compression
+                )
+                msg = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+                self._counter[0] += msg.ByteSize()
+                yield msg
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
 
 
 class _OuterAverager(DecentralizedAverager):
@@ -221,7 +264,7 @@ class _OuterAverager(DecentralizedAverager):
         self, tensors, group_info: GroupInfo, group_id: bytes | None = None, *, counter=None, **kwargs
     ):
         group_id = group_info.group_id if group_id is None else group_id
-        runner = _CountingRunner(
+        runner = _ExactRunner(
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -233,8 +276,8 @@ class _OuterAverager(DecentralizedAverager):
         )
         assert group_id in self._running_groups, f"group {group_id!r} was not registered"
         self._running_groups[group_id].set_result(runner)
-        async for tensor, update in azip(as_aiter(*tensors), runner):
-            tensor.add_(update)
+        async for tensor, averaged in azip(as_aiter(*tensors), runner):
+            tensor.copy_(averaged)
         # hivemind finishes an all-reduce even when a reducer failed (its parts keep our local
         # values) or a sender was dropped (its parts are averaged without it). Members would then
         # hold different "averages", so such an attempt fails as a whole instead.
@@ -737,6 +780,10 @@ class OuterSync:
 def wire_bytes_per_round(shapes: Mapping[str, tuple], rank: int, group: int, **kw) -> int:
     """Expected sum over a group of k peers of the all-reduce payload: 2(k-1) * bytes_for(shapes, rank)."""
     return 2 * (group - 1) * bytes_for(shapes, rank, **kw)
+
+
+def _unpack_part(msg):
+    return deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression
 
 
 def _one_line(e: BaseException) -> str:

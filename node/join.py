@@ -16,7 +16,7 @@ import torch
 from node.basis import BASIS_VERSION, BasisStore, calibrate
 from node.config import NodeConfig
 from node.data import ByteTokenizer, load_examples, microbatches
-from node.devices import pick_device
+from node.devices import GIB, describe_memory, pick_device, stage_memory_bytes
 from node.links import build_codec, codec_settings
 from node.membership import (
     JoinError,
@@ -94,14 +94,57 @@ def calibrate_bases(cfg: NodeConfig, run: RunRecord, model, tok) -> list:
     return payloads
 
 
-def claim_stage(cfg: NodeConfig, dht, run: RunRecord, peer_id: str) -> int:
+def stage_memory(cfg: NodeConfig, run: RunRecord, model, device) -> list[dict[str, int]]:
+    """Memory estimate of every stage of the run on this node's device."""
+    layers = model.model.layers
+    out = []
+    for i, (start, end) in enumerate(run.stages):
+        n = sum(p.numel() for layer in layers[start:end] for p in layer.parameters())
+        if i == 0:
+            n += model.get_input_embeddings().weight.numel()
+        is_tail = i == len(run.stages) - 1
+        if is_tail:
+            n += model.get_output_embeddings().weight.numel()
+        out.append(
+            stage_memory_bytes(
+                n,
+                end - start,
+                run.hidden,
+                model.config.vocab_size if is_tail else None,
+                run.microbatch,
+                run.seq_len,
+                cfg.max_inflight,
+                device,
+            )
+        )
+    return out
+
+
+def stages_that_fit(cfg: NodeConfig, mem: list[dict[str, int]]) -> set[int]:
+    if not cfg.max_memory_gb:
+        return set(range(len(mem)))
+    return {i for i, m in enumerate(mem) if m["total"] <= cfg.max_memory_gb * GIB}
+
+
+def claim_stage(cfg: NodeConfig, dht, run: RunRecord, peer_id: str, fits: set[int] | None = None) -> int:
     n = len(run.stages)
+    fits = set(range(n)) if fits is None else fits
+    if not fits:
+        raise JoinError(
+            f"no stage of this run fits in --max-memory {cfg.max_memory_gb:g} GiB; join a run with "
+            "more stages, raise --max-memory, or use a device with more memory"
+        )
     if cfg.stage != "auto":
         index = int(cfg.stage)
         if not 0 <= index < n:
             raise JoinError(f"--stage {index} does not exist: this run has stages 0..{n - 1}")
+        if index not in fits:
+            raise JoinError(
+                f"stage {index} does not fit in --max-memory {cfg.max_memory_gb:g} GiB; "
+                f"stages that fit: {sorted(fits)}"
+            )
     else:
-        index = choose_stage(read_stage_records_sync(dht, run.run_id, n), cfg.circuit)
+        index = choose_stage(read_stage_records_sync(dht, run.run_id, n), cfg.circuit, allowed=fits)
     # publish the claim at once (not ready yet) so the next joiner sees this stage as taken
     store_stage_record_sync(dht, run.run_id, index, peer_id, StageRecord(circuit=cfg.circuit, ready=False))
     return index
@@ -158,9 +201,14 @@ def run_join(cfg: NodeConfig) -> int:
             if run_is_new:  # the starter holds the whole pretrained model: calibrate every boundary
                 for b, payload in enumerate(calibrate_bases(cfg, run, model, tok)):
                     bases.add(b, payload)
-        index = claim_stage(cfg, dht, run, peer_id)
+        mem = stage_memory(cfg, run, model, device)
+        index = claim_stage(cfg, dht, run, peer_id, stages_that_fit(cfg, mem))
         start, end = run.stages[index]
-        print(f"peer {peer_id} serves stage {index} (layers {start}..{end - 1}) on {device}", flush=True)
+        print(
+            f"peer {peer_id} serves stage {index} (layers {start}..{end - 1}) on {device}, "
+            f"needs {describe_memory(mem[index])}",
+            flush=True,
+        )
         if cfg.ready_file:
             with open(cfg.ready_file + ".tmp", "w") as f:
                 json.dump({"peer_id": peer_id, "maddrs": maddrs, "stage": index}, f)

@@ -47,7 +47,9 @@ def choose_peer(
     return live[-1][0]
 
 
-def choose_stage(stages: list[Mapping[str, StageRecord]], circuit: str) -> int:
+def choose_stage(
+    stages: list[Mapping[str, StageRecord]], circuit: str, allowed: set[int] | None = None
+) -> int:
     """The least-served stage: lowest total announced throughput, then fewest peers, then lowest index.
 
     Not-yet-ready peers count: they have claimed the stage and will serve it shortly.
@@ -57,4 +59,5 @@ def choose_stage(stages: list[Mapping[str, StageRecord]], circuit: str) -> int:
         peers = [r for r in stages[i].values() if r.circuit == circuit]
         return (sum(announced_throughput(r) for r in peers), len(peers), i)
 
-    return min(range(len(stages)), key=load)
+    candidates = [i for i in range(len(stages)) if allowed is None or i in allowed]
+    return min(candidates, key=load)

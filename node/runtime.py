@@ -10,6 +10,7 @@ through another peer of the same stage. Compute runs in one worker thread, off t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -208,18 +209,30 @@ class StageRuntime:
         self.metrics.compute_s += time.perf_counter() - t0
         return out
 
+    def _amp(self):
+        """bf16 autocast on CUDA (weights and optimizer stay fp32); plain fp32 on CPU."""
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":  # pinned host memory lets the copy overlap compute
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
     def _forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        with torch.enable_grad():
+        with torch.enable_grad(), self._amp():
             if self.is_head:
-                return self.stage(x.to(self.device)), None
-            leaf = x.to(self.device).requires_grad_(True)
+                return self.stage(self._to_device(x)), None
+            leaf = self._to_device(x).requires_grad_(True)
             return self.stage(leaf), leaf
 
     def _tail(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[float, int, torch.Tensor | None]:
         with torch.enable_grad():
-            leaf = x.to(self.device).requires_grad_(not self.is_head)
-            logits = self.stage(leaf)
-            loss, n = causal_lm_loss(logits, labels.to(self.device).long())
+            leaf = self._to_device(x).requires_grad_(not self.is_head)
+            with self._amp():
+                logits = self.stage(leaf)
+            loss, n = causal_lm_loss(logits, self._to_device(labels).long())
             loss.backward()
         return float(loss.detach()), n, (leaf.grad if not self.is_head else None)
 

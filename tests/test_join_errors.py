@@ -63,3 +63,10 @@ def test_help_documents_every_flag():
         "--max-inflight",
     ):
         assert flag in out
+
+
+def test_stage_that_does_not_fit_is_refused_in_one_line(tmp_path):
+    p, _ = _join("--model", "tiny", "--max-memory", "0.00001", "--state-dir", str(tmp_path))
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr
+    assert "--max-memory" in p.stderr.strip().splitlines()[-1]

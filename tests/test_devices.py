@@ -1,0 +1,41 @@
+import logging
+
+import torch
+
+from node.config import NodeConfig
+from node.devices import GIB, pick_device, stage_memory_bytes
+from node.join import stages_that_fit
+
+
+def test_cuda_request_falls_back_to_cpu_with_a_message(caplog, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="node"):
+        assert pick_device("cuda") == torch.device("cpu")
+    assert "falling back to CPU" in caplog.text
+    assert pick_device("auto") == torch.device("cpu")
+    assert pick_device("cpu") == torch.device("cpu")
+
+
+def test_memory_estimate_formula():
+    m = stage_memory_bytes(
+        n_params=1000,
+        n_layers=2,
+        hidden=64,
+        vocab=None,
+        microbatch=2,
+        seq_len=8,
+        max_inflight=1,
+        device=torch.device("cpu"),
+    )
+    assert m["states"] == 16_000
+    assert m["activations"] == 2 * 16 * 34 * 64 * 4 // 2
+    assert m["total"] == m["states"] + m["activations"]
+    tail = stage_memory_bytes(1000, 2, 64, 100, 2, 8, 1, torch.device("cpu"))
+    assert tail["activations"] - m["activations"] == 16 * 100 * 8
+
+
+def test_max_memory_limits_the_stages_a_node_claims():
+    mem = [{"total": 3 * GIB}, {"total": 1 * GIB}]
+    assert stages_that_fit(NodeConfig(max_memory_gb=0), mem) == {0, 1}
+    assert stages_that_fit(NodeConfig(max_memory_gb=2), mem) == {1}
+    assert stages_that_fit(NodeConfig(max_memory_gb=0.5), mem) == set()
