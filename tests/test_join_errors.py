@@ -27,7 +27,7 @@ def test_unreachable_peer_fails_within_timeout_in_one_line(tmp_path):
         str(tmp_path),
     )
     assert p.returncode != 0
-    assert elapsed < 5 + 10 + 20
+    assert elapsed < 5 + 30 + 20
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, p.stderr
     assert "Traceback" not in p.stderr
