@@ -139,7 +139,7 @@ def unflatten_state(tensors: Mapping[str, torch.Tensor], skeleton: Any) -> Any:
         if s is None or isinstance(s, (bool, int, str)):
             return s
         if isinstance(s, dict) and len(s) == 1:
-            (tag, v), = s.items()
+            ((tag, v),) = s.items()
             if tag == "t":
                 if v not in tensors:
                     raise CheckpointError(f"state refers to a missing tensor {v!r}")

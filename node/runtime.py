@@ -35,7 +35,7 @@ from node.health import write_health
 from node.links import Link
 from node.membership import read_stage_records, store_stage_record
 from node.routing import choose_peer
-from node.stages import Stage, causal_lm_loss
+from node.stages import Stage
 from node.transport import close_quietly, read_message, write_message
 from protocol.frames import (
     MAX_FRAME_BYTES,
@@ -231,8 +231,7 @@ class StageRuntime:
         with torch.enable_grad():
             leaf = self._to_device(x).requires_grad_(not self.is_head)
             with self._amp():
-                logits = self.stage(leaf)
-            loss, n = causal_lm_loss(logits, self._to_device(labels).long())
+                loss, n = self.stage.loss(leaf, self._to_device(labels).long())
             loss.backward()
         return float(loss.detach()), n, (leaf.grad if not self.is_head else None)
 

@@ -87,6 +87,27 @@ class Stage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Head: token ids (B, T) -> hidden; body: hidden -> hidden; tail: hidden -> logits."""
+        hidden = self.layers_forward(x)
+        if self.is_tail:
+            hidden = self.lm_head(self.norm(hidden))
+        return hidden
+
+    def loss(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Tail: the causal LM loss, with lm_head applied only where a label is.
+
+        Equal to ``causal_lm_loss(self(x), labels)``, but the vocabulary projection (the
+        largest matmul of a small model) runs on the labelled positions only: on
+        prompt/completion data that is a fraction of the tokens.
+        """
+        hidden = self.layers_forward(x)[:, :-1]
+        target = labels[:, 1:]
+        sel = target != IGNORE_INDEX
+        n = int(sel.sum())
+        logits = self.lm_head(self.norm(hidden[sel]))
+        loss = nn.functional.cross_entropy(logits.float(), target[sel], reduction="sum")
+        return loss / max(n, 1), n
+
+    def layers_forward(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
 
         hidden = self.embed_tokens(x) if self.is_head else x
@@ -102,8 +123,6 @@ class Stage(nn.Module):
             hidden = layer(hidden, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
             if isinstance(hidden, tuple):  # older transformers returned tuples
                 hidden = hidden[0]
-        if self.is_tail:
-            hidden = self.lm_head(self.norm(hidden))
         return hidden
 
 

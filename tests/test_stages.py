@@ -136,3 +136,23 @@ def test_bundled_model_two_stages_equal_whole():
         "model.norm.weight",
     ):
         torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-3, atol=1e-6)
+
+
+def test_tail_loss_on_labelled_positions_equals_full_loss(tiny_model):
+    ranges = default_stage_ranges(tiny_model, 2)
+    tail_a = build_stage(tiny_model, ranges, 1, keep_model=True)
+    tail_b = copy.deepcopy(tail_a)
+    x = torch.randn(3, 10, 64)
+    labels = torch.randint(0, 512, (3, 10))
+    labels[:, :6] = IGNORE_INDEX
+    labels[2, :] = IGNORE_INDEX
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref, n_ref = causal_lm_loss(tail_a(xa), labels)
+    got, n = tail_b.loss(xb, labels)
+    assert n == n_ref == 2 * 4
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    ref.backward()
+    got.backward()
+    torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-5, atol=1e-7)
+    for (name, pa), (_, pb) in zip(tail_a.named_parameters(), tail_b.named_parameters()):
+        torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-5, atol=1e-7, msg=name)
