@@ -161,6 +161,45 @@ class PacketSink:
         return n
 
 
+def fast_peers_of_stage(rt) -> dict:
+    """Ready fast peers of this node's stage, other than itself."""
+    return {
+        p: r for p, r in rt.routes[rt.index].items() if r.ready and r.circuit == "fast" and p != rt.peer_id
+    }
+
+
+async def pull_weights(rt) -> tuple[int, int] | None:
+    """Load the weights of the most advanced fast peer of our stage; (its step, bytes) or None.
+
+    Anchors use it to stay a few steps behind; a node joining a stage mid-run uses it once,
+    so it starts from the swarm's current weights rather than the pretrained ones.
+    """
+    peers = sorted(fast_peers_of_stage(rt).items(), key=lambda kv: -kv[1].inner_step)
+    for peer, _ in peers:
+        try:
+            request = Frame(kind="weights", run_id=rt.run.run_id)
+            frames, _ = await _request(
+                rt.p2p, peer, WEIGHTS_HANDLER, request, rt.cfg.hop_timeout * 4, rt.run.run_id
+            )
+            named = {k: v for f in frames for k, v in f.tensors.items()}
+            own = dict(rt.stage.named_parameters())
+            if set(named) != set(own) or any(named[k].shape != own[k].shape for k in own):
+                raise FrameError("weights do not match this stage's parameters")
+            await rt.compute(_load_weights, rt.stage, named)
+            nbytes = sum(t.numel() * t.element_size() for f in frames for t in f.tensors.values())
+            log.info("pulled the weights of step %d from %s (%d bytes)", frames[0].step, peer[:12], nbytes)
+            return frames[0].step, nbytes
+        except (FrameError, asyncio.TimeoutError, OSError, ConnectionError) as e:
+            log.info("weight pull from %s failed: %s", peer[:12], e)
+    return None
+
+
+def _load_weights(stage, named: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for n, p in stage.named_parameters():
+            p.copy_(named[n].to(p.dtype))
+
+
 class AnchorClient:
     """Anchor side: pull weights from fast peers, send gradient packets to them."""
 
@@ -174,8 +213,7 @@ class AnchorClient:
         self.pulls = 0
 
     def fast_peers(self) -> dict:
-        rt = self.rt
-        return {p: r for p, r in rt.routes[rt.index].items() if r.ready and r.circuit == "fast"}
+        return fast_peers_of_stage(self.rt)
 
     def needs_pull(self) -> bool:
         newest = max((r.inner_step for r in self.fast_peers().values()), default=None)
@@ -183,38 +221,13 @@ class AnchorClient:
 
     async def pull(self) -> bool:
         """Copy the weights of the most advanced fast peer of this stage into our stage."""
-        rt = self.rt
-        peers = sorted(self.fast_peers().items(), key=lambda kv: -kv[1].inner_step)
-        for peer, _ in peers:
-            try:
-                frames, _ = await _request(
-                    rt.p2p,
-                    peer,
-                    WEIGHTS_HANDLER,
-                    Frame(kind="weights", run_id=rt.run.run_id),
-                    rt.cfg.hop_timeout * 4,
-                    rt.run.run_id,
-                )
-                named = {k: v for f in frames for k, v in f.tensors.items()}
-                own = dict(rt.stage.named_parameters())
-                if set(named) != set(own) or any(named[k].shape != own[k].shape for k in own):
-                    raise FrameError("weights do not match this stage's parameters")
-                await rt.compute(self._load, named)
-                self.source_step = frames[0].step
-                self.pull_bytes += sum(
-                    sum(t.numel() * t.element_size() for t in f.tensors.values()) for f in frames
-                )
-                self.pulls += 1
-                log.info("anchor pulled weights of step %d from %s", self.source_step, peer[:12])
-                return True
-            except (FrameError, asyncio.TimeoutError, OSError, ConnectionError) as e:
-                log.info("weight pull from %s failed: %s", peer[:12], e)
-        return False
-
-    def _load(self, named: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for n, p in self.rt.stage.named_parameters():
-                p.copy_(named[n].to(p.dtype))
+        pulled = await pull_weights(self.rt)
+        if pulled is None:
+            return False
+        self.source_step, nbytes = pulled
+        self.pull_bytes += nbytes
+        self.pulls += 1
+        return True
 
     def _packets(self) -> list[dict[str, torch.Tensor]]:
         """Factors of the accumulated gradients of the target matrices, grouped per frame."""

@@ -103,9 +103,14 @@ def resolve_model_path(model: str) -> str:
 
 
 def load_model(model: str, seed: int = 0):
-    """Return (model, tokenizer_or_None, display name). ``model`` is bundled, tiny, or a path."""
+    """Return (model, tokenizer_or_None, display name). ``model``: bundled, tiny, emulate[:...] or a path."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+    if model == "emulate" or model.startswith("emulate:"):
+        # emulated compute for the bandwidth harness (node/emulated.py): real-size activations, sleeps
+        from node.emulated import load_emulated
+
+        return load_emulated(model, seed=seed)
     if model == TINY or model.startswith("tiny:"):
         parts = model.split(":")  # tiny[:LAYERS[:HIDDEN]]
         layers = int(parts[1]) if len(parts) > 1 else 4

@@ -28,7 +28,15 @@ from hivemind.p2p import PeerID
 from compression.codec import LinkContext
 from compression.prf import mask_seed
 from compression.spectral import SpectralFilter, filter_gradients
-from node.anchors import ANCHOR_HANDLER, WEIGHTS_HANDLER, AnchorClient, PacketSink, WeightServer
+from node.anchors import (
+    ANCHOR_HANDLER,
+    WEIGHTS_HANDLER,
+    AnchorClient,
+    PacketSink,
+    WeightServer,
+    fast_peers_of_stage,
+    pull_weights,
+)
 from node.basis import BasisUnavailable
 from node.config import NodeConfig
 from node.health import write_health
@@ -130,6 +138,7 @@ class Metrics:
         self.skipped_steps = 0
         self.compute_s = 0.0
         self.filter_s = 0.0
+        self.state_pull_bytes = 0
 
     def count_frame(self, boundary: int, direction: str, nbytes: int, tokens: int) -> None:
         c = self.links[(boundary, direction)]
@@ -589,6 +598,7 @@ class StageRuntime:
             "anchor_packets_received": self.packet_sink.received if self.filter is not None else 0,
             "anchor_packets_stale": self.packet_sink.dropped_stale if self.filter is not None else 0,
             "filter_s": m.filter_s,
+            "state_pull_bytes": m.state_pull_bytes,
             "basis_bytes_served": self.bases.bytes_served if self.bases else 0,
             "throughput": self._throughput,
             "compute_s": m.compute_s,
@@ -636,6 +646,7 @@ class StageRuntime:
         if self.anchor is not None:
             await self._first_pull()
         else:
+            await self._join_from_peers()
             await p2p.add_binary_stream_handler(WEIGHTS_HANDLER, self.weight_server.handle)
             await p2p.add_binary_stream_handler(ANCHOR_HANDLER, self.packet_sink.handle)
         await p2p.add_binary_stream_handler(HANDLER, self.handle_stream)
@@ -677,6 +688,18 @@ class StageRuntime:
         except Exception:
             pass
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _join_from_peers(self) -> None:
+        """A node joining a stage that others already train starts from their current weights."""
+        await self.refresh_routes()
+        if fast_peers_of_stage(self):
+            pulled = await pull_weights(self)
+            if pulled is None:
+                log.warning(
+                    "could not pull the current weights of stage %d; starting from the checkpoint", self.index
+                )
+            else:
+                self.metrics.state_pull_bytes += pulled[1]
 
     async def _first_pull(self) -> None:
         """An anchor starts from a fast peer's current weights, not the pretrained ones."""
