@@ -7,9 +7,14 @@ record that fails validation is skipped (and logged once), never trusted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import glob
 import logging
 import os
 import shutil
+import signal
+import sys
 import tempfile
 import time
 
@@ -41,6 +46,48 @@ def remove_socket_dir(d: str) -> None:
     shutil.rmtree(d, ignore_errors=True)
 
 
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields_ = open(stat).read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields_[1]) == pid:
+            out.append(int(stat.split("/")[2]))
+    return out
+
+
+def _die_with_parent() -> None:
+    """In the DHT process: when the node process dies (even by SIGKILL), take p2pd down too.
+
+    hivemind's DHT process would otherwise outlive a killed node, keeping its p2pd and its
+    DHT entries alive. Linux only (prctl); elsewhere a killed node may leave them behind.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+
+    def on_term(signum, frame):
+        for child in _children(os.getpid()):  # p2pd
+            with contextlib.suppress(OSError):
+                os.kill(child, signal.SIGKILL)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+class NodeDHT(DHT):
+    """hivemind's DHT process, tied to the lifetime of the node process that started it."""
+
+    def run(self) -> None:
+        _die_with_parent()
+        super().run()
+
+
 def start_dht(cfg: NodeConfig) -> DHT:
     """Start the DHT process (and its p2pd). Fails with a JoinError naming the cause."""
     check_peer_addresses(cfg.peers)
@@ -56,7 +103,7 @@ def start_dht(cfg: NodeConfig) -> DHT:
     )
     if cfg.announce_maddrs:
         kwargs["announce_maddrs"] = cfg.announce_maddrs
-    dht = DHT(initial_peers=cfg.peers or None, start=False, **kwargs)
+    dht = NodeDHT(initial_peers=cfg.peers or None, start=False, **kwargs)
     try:
         dht.run_in_background(await_ready=True, timeout=cfg.p2pd_timeout + cfg.join_timeout)
     except Exception as e:
