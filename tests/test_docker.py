@@ -785,3 +785,13 @@ def test_compose_node_flags_exist_in_the_cli():
 def test_gpu_check_script_parses():
     res = subprocess.run(["bash", "-n", str(GPU_CHECK)], capture_output=True, text=True, timeout=30)
     assert res.returncode == 0, res.stderr
+
+
+def test_main_readme_docker_commands_are_the_checked_ones():
+    """The main README's `docker run` lines are copies of docker/README.md's, which the tests above check."""
+    main = (ROOT / "README.md").read_text()
+    runs = [line.strip() for line in main.splitlines() if line.strip().startswith("docker run")]
+    assert runs, "README.md should show how to join with docker run"
+    checked = README.read_text()
+    for line in runs:
+        assert line in checked, f"README.md's `{line[:60]}...` is not in docker/README.md"
