@@ -21,7 +21,8 @@ steps, with no microbatch in flight, the node's compute thread calls ``round(k)`
 Q warm start and group changes. Every group member must hold the same Q when phase P starts.
 Each member sends a *lineage* id with its matchmaking request: a hash of its initial outer
 state, replaced after every committed round by a hash of that round's group id (all members
-of a committed round hold bit-identical outer state and Q). If every member of a new group
+of a committed round hold bit-identical outer state and Q: the all-reduce hands every member
+the reducer's average itself, see ``_ExactRunner``). If every member of a new group
 has the same lineage, their Q's (and theta_global, momentum) are identical and the warm
 start is kept; otherwise every member calls ``PowerSGD.reset_q(salt)`` with a salt derived
 from the group id, which all members know, so the group agrees on Q without shipping it.
@@ -78,7 +79,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 
 from compression.outer import GaslocOuter, OuterNesterov
-from compression.powersgd import DEFAULT_MIN_COMPRESS_NUMEL, PowerSGD, PowerSGDState, bytes_for, initial_q
+from compression.powersgd import DEFAULT_MIN_COMPRESS_NUMEL, PowerSGD, PowerSGDState, initial_q
 
 log = logging.getLogger("node")
 
@@ -505,6 +506,10 @@ class OuterSync:
             next_chunk_timeout=chunk,
             allow_state_sharing=state_sharing and not dht.client_mode,
             declare_state_period=30.0,
+            # hivemind terminates a helper that has not exited by then; one killed while holding
+            # MPFuture's process-wide locks (inherited by the DHT process) would hang this node's
+            # other hivemind calls, so give it time on a busy machine.
+            shutdown_timeout=30.0,
         )
         previous = signal.getsignal(signal.SIGINT)
         try:
@@ -515,7 +520,12 @@ class OuterSync:
 
     # ------------------------------------------------------------------ the round
     def round(self, round_index: int) -> RoundStats:
-        """One outer round (blocking; call from the compute thread with no microbatch in flight)."""
+        """One outer round; blocks for at most about ``timeout`` s (compute thread, no microbatch in flight).
+
+        Never raises for network trouble: a round without a group, or whose all-reduce failed,
+        comes back with ``skipped=True`` and leaves every parameter and state as it was.
+        ``round_index`` is only reported back (Q salts come from the group id, not from it).
+        """
         if self._closed:
             raise RuntimeError("OuterSync is shut down")
         t0 = time.monotonic()
@@ -775,11 +785,6 @@ class OuterSync:
     def __exit__(self, *exc):
         self.shutdown()
         return False
-
-
-def wire_bytes_per_round(shapes: Mapping[str, tuple], rank: int, group: int, **kw) -> int:
-    """Expected sum over a group of k peers of the all-reduce payload: 2(k-1) * bytes_for(shapes, rank)."""
-    return 2 * (group - 1) * bytes_for(shapes, rank, **kw)
 
 
 def _unpack_part(msg):
