@@ -1,0 +1,679 @@
+"""Quality benchmark for pipeline-link codecs and schedules (issues 3 and 9, DESIGN.md §6-7).
+
+Fine-tunes the bundled SmolLM2-135M-Instruct through a 4-stage split (layer ranges
+[[0,8],[8,16],[16,23],[23,30]], i.e. boundaries after layers 7, 15 and 22) inside ONE
+process. At each boundary the activations pass through ``compression.codec.apply_link``
+with the configured codec: the same encode/decode, forward and backward, that a two-process
+hop computes. Mask seeds come from ``compression.prf.mask_seed(run_seed, step, microbatch,
+boundary)`` as in the frame header.
+
+Setup (DESIGN.md §6): batch 16, AdamW lr 1e-4 (weight decay 0, the node's default), global
+grad-norm clip 1.0, loss on the answer only; greedy exact match on held-out problems,
+evaluated twice: through the codec and dense (whole model, no link); eval loss dense.
+
+One entry per run is appended to ``<out>/links.json`` as soon as the run ends, so a killed
+job loses at most the run in progress; runs already present (same variant, task, seed,
+steps, eval size) are skipped unless ``--force``.
+
+    python -m bench.quality --variants dense,m95,pca58i8 --task arithmetic --seeds 0 --steps 100
+
+Variants are ``codec+schedule`` names (``--list`` prints them). Anchor priors (``+ap``)
+simulate the anchor replica in-process: a dense copy of the model whose weights are a
+snapshot refreshed every S = 20 steps computes, every ``anchor_every`` steps, a dense
+gradient on its own fresh batch; the targeted matrices' gradients go to
+``SpectralFilter.observe`` tagged with the snapshot's step; ``filter_gradients`` runs before
+clipping (DESIGN.md 4.2 order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import fcntl
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from compression.codec import DenseCodec, LinkCodec, LinkContext, Payload, apply_link, payload_nbytes
+from compression.mask import is_dense_step
+from compression.pca import PcaCodec, fit_basis
+from compression.prf import mask_seed
+from compression.registry import make_codec
+from compression.spectral import SpectralFilter, filter_gradients, is_target_matrix
+from node.data import Example, arithmetic_example, collate, tokenize
+from node.model import load_model
+from node.stages import IGNORE_INDEX, Stage, build_stage
+
+RANGES = [[0, 8], [8, 16], [16, 23], [23, 30]]
+HIDDEN = 576
+DENSE_BPT = 2 * HIDDEN  # dense bf16 wire: 1152 B per token per boundary per direction
+BATCH = 16
+LR = 1e-4
+CLIP = 1.0
+SEQ_LEN = 96
+EVAL_STEP_BASE = 1 << 40  # mask seeds used by codec-on evaluation never collide with training
+CALIB_EXAMPLES = 128  # PCA calibration: 8 batches of the task's examples through the dense model
+
+# ------------------------------------------------------------------------------------------
+# Tasks: deterministic generators, nothing downloaded
+# ------------------------------------------------------------------------------------------
+
+_NAMES = ["Tom", "Anna", "Ben", "Lucy", "Sam", "Mia", "Jack", "Emma", "Leo", "Nora", "Max", "Ella"]
+_ITEMS = ["apples", "pens", "books", "coins", "cards", "shells", "marbles", "stamps", "eggs", "toys"]
+_ADD = ["buys {b} more", "finds {b} more", "gets {b} more", "is given {b} more"]
+_SUB = ["gives away {b}", "loses {b}", "sells {b}", "uses {b}"]
+
+
+def word_example(rng: random.Random) -> Example:
+    """One-step word problem: add or subtract, chosen by the verb; 2-digit numbers, answer >= 1."""
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    if rng.random() < 0.5:
+        a, b = rng.randint(10, 89), rng.randint(10, 89)
+        verb, ans = rng.choice(_ADD).format(b=b), a + b
+    else:
+        a = rng.randint(20, 99)
+        b = rng.randint(10, a - 1)
+        verb, ans = rng.choice(_SUB).format(b=b), a - b
+    prompt = f"Q: {name} has {a} {item} and {verb}. How many {item} now?\nA:"
+    return Example(prompt=prompt, completion=f" {ans}")
+
+
+TASKS = {"arithmetic": arithmetic_example, "word": word_example}
+
+
+def task_stream(task: str, seed: int):
+    rng = random.Random(seed)
+    gen = TASKS[task]
+    while True:
+        yield gen(rng)
+
+
+def held_out(task: str, n: int, exclude: set[str]) -> list[Example]:
+    """n distinct problems from a separate stream, none of them seen in training."""
+    out, seen = [], set(exclude)
+    for ex in task_stream(task, 987_654_321):
+        if ex.prompt not in seen:
+            seen.add(ex.prompt)
+            out.append(ex)
+            if len(out) == n:
+                return out
+    raise AssertionError("unreachable")
+
+
+# ------------------------------------------------------------------------------------------
+# Variants: codec + schedule
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Variant:
+    name: str
+    codec: str  # registry name
+    settings: dict = field(default_factory=dict)
+    dense_every: int = 0  # is_dense_step(step, dense_every): a dense bf16 step
+    warmup: int = 0  # first `warmup` steps dense, then the codec (PCA calibrated at the switch)
+    cooldown: int = 0  # last `cooldown` steps dense
+    anchor: dict | None = None  # anchor priors: SpectralFilter settings + schedule
+    note: str = ""
+
+    @property
+    def schedule(self) -> str:
+        parts = []
+        if self.dense_every:
+            parts.append(f"dense-every-{self.dense_every}")
+        if self.warmup:
+            parts.append(f"dense-warmup-{self.warmup}")
+        if self.cooldown:
+            parts.append(f"dense-cooldown-{self.cooldown}")
+        if self.anchor:
+            a = self.anchor
+            tau = f"tau={a['tau']}" + ("*s1" if a.get("tau_relative") else "")
+            parts.append(
+                f"anchor-priors(alpha={a['alpha']},{tau},beta={a['beta']},S={a['S']},every={a['every']})"
+            )
+        return "+".join(parts) or "none"
+
+
+# Anchor schedule: weights snapshot refreshed every S = 20 steps (the paper's bound); a packet
+# (one dense gradient on a fresh batch) every 10 fast steps, so staleness 0-19 at arrival. Every
+# 10 and not every step because each packet costs ~210 SVDs (~30 s on one CPU thread here).
+_AP = {"alpha": 0.3, "tau": 1e-3, "beta": 0.95, "S": 20, "every": 10, "tau_relative": False}
+
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in [
+        Variant("dense", "dense", {"wire_dtype": "bfloat16"}),
+        Variant("m95", "mask", {"rate": 0.95}),
+        Variant("m95r", "mask", {"rate": 0.95, "rescale": True}),
+        Variant("m90", "mask", {"rate": 0.90}),
+        Variant("m95+ap", "mask", {"rate": 0.95}, anchor=dict(_AP)),
+        Variant("m95+ap5", "mask", {"rate": 0.95}, anchor=dict(_AP, every=5)),
+        Variant("m95+ap-taurel", "mask", {"rate": 0.95}, anchor=dict(_AP, tau_relative=True)),
+        Variant("m95+dense5", "mask", {"rate": 0.95}, dense_every=5),
+        Variant("m95+dense10", "mask", {"rate": 0.95}, dense_every=10),
+        Variant("pca58i8", "pca", {"k": 58, "coeff_dtype": "int8"}),
+        Variant("pca29bf16", "pca", {"k": 29, "coeff_dtype": "bfloat16"}),
+        Variant("pca96i8", "pca", {"k": 96, "coeff_dtype": "int8"}),
+        Variant("pca58i8+warmup10", "pca", {"k": 58, "coeff_dtype": "int8"}, warmup=10),
+        Variant("pca58i8+cooldown4", "pca", {"k": 58, "coeff_dtype": "int8"}, cooldown=4),
+        Variant("int4", "int4", {}),
+        Variant("topk29", "topk", {"k": 29, "value_dtype": "bfloat16"}),
+    ]
+}
+
+
+# ------------------------------------------------------------------------------------------
+# Timing + byte-counting wrapper: delegates to the real codec, so apply_link runs its code
+# ------------------------------------------------------------------------------------------
+
+
+class Metered(LinkCodec):
+    def __init__(self, inner: LinkCodec):
+        self.inner = inner
+        self.codec_id = inner.codec_id
+        self.seconds = 0.0
+        self.bytes = {"fwd": 0, "bwd": 0}
+        self.tokens = {"fwd": 0, "bwd": 0}
+        self.counting = True
+
+    def _timed(self, fn, *args):
+        t = time.perf_counter()
+        out = fn(*args)
+        self.seconds += time.perf_counter() - t
+        return out
+
+    def _count(self, key: str, payload: Payload, n_tokens: int) -> None:
+        if self.counting:
+            self.bytes[key] += payload_nbytes(payload)
+            self.tokens[key] += n_tokens
+
+    def encode_forward(self, h: torch.Tensor, ctx: LinkContext) -> Payload:
+        p = self._timed(self.inner.encode_forward, h, ctx)
+        self._count("fwd", p, h.numel() // h.shape[-1])
+        return p
+
+    def decode_forward(self, payload: Payload, ctx: LinkContext, shape) -> torch.Tensor:
+        return self._timed(self.inner.decode_forward, payload, ctx, shape)
+
+    def encode_backward(self, g: torch.Tensor, ctx: LinkContext) -> Payload:
+        p = self._timed(self.inner.encode_backward, g, ctx)
+        self._count("bwd", p, g.numel() // g.shape[-1])
+        return p
+
+    def decode_backward(self, payload: Payload, ctx: LinkContext, shape) -> torch.Tensor:
+        return self._timed(self.inner.decode_backward, payload, ctx, shape)
+
+    def bytes_per_token(self, hidden: int) -> float:
+        return self.inner.bytes_per_token(hidden)
+
+    def describe(self) -> dict:
+        return self.inner.describe()
+
+
+# ------------------------------------------------------------------------------------------
+# The in-process pipeline
+# ------------------------------------------------------------------------------------------
+
+
+class Pipeline:
+    """Four stages sharing the model's modules (so the tied embedding/lm_head stays tied, as
+    in the whole model), plus a body-only copy of the tail for last-position generation."""
+
+    def __init__(self, model):
+        layers = model.model.layers
+        self.stages: list[Stage] = []
+        for i in range(len(RANGES)):
+            model.model.layers = layers
+            self.stages.append(build_stage(model, RANGES, i))
+        model.model.layers = layers
+        s, e = RANGES[-1]
+        self.tail_body = Stage(model, s, e, is_head=False, is_tail=False)
+        self.norm, self.lm_head = model.model.norm, model.lm_head
+
+    def hidden(self, ids: torch.Tensor, links) -> list[torch.Tensor]:
+        """Boundary activations (sender side) for calibration, dense."""
+        outs, h = [], ids
+        for i, st in enumerate(self.stages[:-1]):
+            h = st(h)
+            outs.append(h.detach())
+            h = links(i, h) if links else h
+        return outs
+
+    def logits(self, ids: torch.Tensor, links) -> torch.Tensor:
+        """Full (B, T, V) logits through the real tail stage (used to check ``answer_loss``)."""
+        h = ids
+        for i, st in enumerate(self.stages):
+            h = st(h)
+            if i < len(self.stages) - 1 and links is not None:
+                h = links(i, h)
+        return h
+
+    def final_hidden(self, ids: torch.Tensor, links) -> torch.Tensor:
+        """The tail's last hidden state, before its norm + lm_head (applied where needed)."""
+        h = ids
+        bodies = self.stages[:-1] + [self.tail_body]
+        for i, st in enumerate(bodies):
+            h = st(h)
+            if i < len(bodies) - 1 and links is not None:
+                h = links(i, h)
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))
+
+    def answer_logits(self, ids: torch.Tensor, labels: torch.Tensor, links):
+        """Logits at the labelled positions only, and their targets.
+
+        Same value as ``causal_lm_loss(tail(x), labels)``: the tail's lm_head is applied only
+        where a next-token label exists (the answer and its EOS), which saves ~20% of a step's
+        compute (49k-row lm_head on every prompt position).
+        """
+        h = self.final_hidden(ids, links)
+        tgt = labels[:, 1:]
+        sel = tgt != IGNORE_INDEX
+        return self.head(h[:, :-1][sel]), tgt[sel], sel
+
+    def last_logits(self, ids: torch.Tensor, links) -> torch.Tensor:
+        return self.head(self.final_hidden(ids, links)[:, -1])
+
+
+def answer_loss(logits: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.float(), tgt, reduction="mean")
+
+
+def make_links(codecs: list[LinkCodec], run_seed: int, step: int, microbatch: int = 0):
+    def link(b: int, h: torch.Tensor) -> torch.Tensor:
+        c = codecs[b]
+        seed = mask_seed(run_seed, step, microbatch, b)
+        inner = c.inner if isinstance(c, Metered) else c
+        ctx = inner.link_context(seed) if isinstance(inner, PcaCodec) else LinkContext(seed=seed)
+        return apply_link(h, c, ctx)
+
+    return link
+
+
+def batches(examples: list[Example], tok, pad: int):
+    for i in range(0, len(examples), BATCH):
+        yield collate([tokenize(tok, e, SEQ_LEN) for e in examples[i : i + BATCH]], pad)
+
+
+@torch.no_grad()
+def evaluate(pipe: Pipeline, examples, tok, pad, links_for=None, stop_ids: set[int] | None = None):
+    """(eval loss on the answers, exact match) from one teacher-forced pass.
+
+    Greedy decoding reproduces the answer exactly iff, given the gold prefix, the argmax at
+    every answer position is the gold token and the argmax after it ends the answer (EOS or
+    a newline): so EM over greedy generations equals this per-position check (up to
+    non-canonical tokenisations of the same string), at the cost of one forward pass.
+    ``--check-greedy`` runs real generation to confirm it.
+    """
+    tot, n, hits = 0.0, 0, 0
+    stop = torch.tensor(sorted(stop_ids or {tok.eos_token_id}))
+    for j, (ids, labels) in enumerate(batches(examples, tok, pad)):
+        links = links_for(j) if links_for else None
+        logits, tgt, sel = pipe.answer_logits(ids, labels, links)
+        tot += float(torch.nn.functional.cross_entropy(logits.float(), tgt, reduction="sum"))
+        n += tgt.numel()
+        pred = logits.argmax(-1)
+        ok = (pred == tgt) | ((tgt == tok.eos_token_id) & torch.isin(pred, stop))
+        per_pos = torch.ones_like(sel)
+        per_pos[sel] = ok
+        hits += int(per_pos.all(dim=1).sum())
+    return tot / max(n, 1), hits / len(examples)
+
+
+@torch.no_grad()
+def exact_match(pipe: Pipeline, examples, tok, links_for=None, max_new: int = 6) -> tuple[float, list[str]]:
+    """Greedy decoding (full recompute per token, so the codec sees every position as in
+    training); the continuation is cut at EOS or newline, stripped, compared with the answer."""
+    eos = tok.eos_token_id
+    nl = set(tok("\n", add_special_tokens=False)["input_ids"])
+    groups: dict[int, list[int]] = {}
+    enc = [tok(e.prompt, add_special_tokens=False)["input_ids"] for e in examples]
+    for i, ids in enumerate(enc):
+        groups.setdefault(len(ids), []).append(i)
+    outs = [""] * len(examples)
+    for gi, (_, idx) in enumerate(sorted(groups.items())):
+        for j in range(0, len(idx), 64):
+            part = idx[j : j + 64]
+            ids = torch.tensor([enc[i] for i in part])
+            gen = [[] for _ in part]
+            done = [False] * len(part)
+            for t in range(max_new):
+                links = links_for(gi * 1000 + j, t) if links_for else None
+                nxt = pipe.last_logits(ids, links).argmax(-1)
+                for r, tok_id in enumerate(nxt.tolist()):
+                    if not done[r]:
+                        if tok_id == eos or tok_id in nl:
+                            done[r] = True
+                        else:
+                            gen[r].append(tok_id)
+                if all(done):
+                    break
+                ids = torch.cat([ids, nxt[:, None]], dim=1)
+            for r, i in enumerate(part):
+                outs[i] = tok.decode(gen[r]).strip()
+    hits = sum(o == e.completion.strip() for o, e in zip(outs, examples))
+    return hits / len(examples), outs
+
+
+def calibrate(pipe: Pipeline, codecs: list[Metered], calib: list[Example], tok, pad, version: int) -> float:
+    """Fit mean + basis per boundary from the dense model's activations on task examples."""
+    t = time.perf_counter()
+    with torch.no_grad():
+        acts = [[] for _ in codecs]
+        for ids, _ in batches(calib, tok, pad):
+            for b, h in enumerate(pipe.hidden(ids, None)):
+                acts[b].append(h.reshape(-1, h.shape[-1]))
+    for b, c in enumerate(codecs):
+        mean, v = fit_basis(torch.cat(acts[b]), c.inner.k)
+        c.inner.set_basis(mean, v, version)
+    return time.perf_counter() - t
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+# ------------------------------------------------------------------------------------------
+# One run
+# ------------------------------------------------------------------------------------------
+
+
+def run(
+    variant: Variant,
+    task: str,
+    seed: int,
+    steps: int,
+    n_eval: int,
+    log_every: int = 10,
+    check_greedy: int = 0,
+) -> dict:
+    torch.manual_seed(seed)
+    t_start = time.perf_counter()
+    model, tok, _ = load_model("bundled")
+    model.train()
+    pad = tok.eos_token_id
+    stop_ids = {tok.eos_token_id, *tok("\n", add_special_tokens=False)["input_ids"]}
+    pipe = Pipeline(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, fused=True)
+
+    stream = task_stream(task, seed)
+    train = [next(stream) for _ in range(steps * BATCH)]
+    calib_stream = task_stream(task, seed + 7_000_003)
+    calib = [next(calib_stream) for _ in range(CALIB_EXAMPLES)]
+    evals = held_out(task, n_eval, {e.prompt for e in train})
+    curve_eval = evals[:32]
+
+    codecs = [Metered(make_codec(variant.codec, **variant.settings)) for _ in RANGES[:-1]]
+    dense_links = [Metered(DenseCodec("bfloat16")) for _ in RANGES[:-1]]
+    is_pca = variant.codec == "pca"
+    calib_s, basis_version = 0.0, 0
+    if is_pca and variant.warmup == 0:
+        calib_s = calibrate(pipe, codecs, calib, tok, pad, basis_version)
+
+    # anchor replica: a dense copy whose weights are a snapshot at most S steps old
+    filt, anchor, anchor_pipe, anchor_stream = None, None, None, None
+    anchor_s, filter_s, anchor_packets, anchor_bytes, snapshot_step = 0.0, 0.0, 0, 0, 0
+    if variant.anchor:
+        a = variant.anchor
+        filt = SpectralFilter(alpha=a["alpha"], tau=a["tau"], beta=a["beta"], tau_relative=a["tau_relative"])
+        anchor = copy.deepcopy(model)
+        anchor_pipe = Pipeline(anchor)
+        anchor_stream = task_stream(task, seed + 1_000_003)
+        anchor_links = [DenseCodec("bfloat16") for _ in RANGES[:-1]]
+
+    train_curve, eval_curve, step_times = [], [], []
+    wire_tokens, wire_bytes = 0, 0.0
+    mode_counts = {"codec": 0, "dense": 0}
+    for step in range(steps):
+        t0 = time.perf_counter()
+        in_cooldown = step >= steps - variant.cooldown
+        dense_now = is_dense_step(step, variant.dense_every) or step < variant.warmup or in_cooldown
+        if is_pca and variant.warmup and step == variant.warmup:
+            calib_s = calibrate(pipe, codecs, calib, tok, pad, basis_version)
+        if variant.codec == "dense":
+            dense_now = False  # the codec is the dense link itself
+        links_used = dense_links if dense_now else codecs
+        mode_counts["dense" if dense_now else "codec"] += 1
+        batch = train[step * BATCH : (step + 1) * BATCH]
+        ids, labels = collate([tokenize(tok, e, SEQ_LEN) for e in batch], pad)
+        loss = answer_loss(*pipe.answer_logits(ids, labels, make_links(links_used, seed, step))[:2])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        n_tok = ids.numel()
+        wire_tokens += n_tok
+        wire_bytes += n_tok * (DENSE_BPT if dense_now else codecs[0].bytes_per_token(HIDDEN))
+
+        if filt is not None and not dense_now:
+            a = variant.anchor
+            if step % a["S"] == 0:  # anchor pulls fresh weights from the fast replica
+                anchor.load_state_dict(model.state_dict())
+                snapshot_step = step
+            if step % a["every"] == 0:  # a packet arrives: the anchor's dense gradient on fresh data
+                ta = time.perf_counter()
+                a_batch = [next(anchor_stream) for _ in range(BATCH)]
+                a_ids, a_labels = collate([tokenize(tok, e, SEQ_LEN) for e in a_batch], pad)
+                anchor.zero_grad(set_to_none=True)
+                a_out = anchor_pipe.answer_logits(a_ids, a_labels, make_links(anchor_links, seed, step))
+                a_loss = answer_loss(*a_out[:2])
+                a_loss.backward()
+                grads = {
+                    n: p.grad.detach().clone()
+                    for n, p in anchor.named_parameters()
+                    if p.grad is not None and is_target_matrix(n, p)
+                }
+                anchor_s += time.perf_counter() - ta
+                anchor_packets += 1
+                anchor_bytes += sum(g.numel() * 2 for g in grads.values())  # bf16 full matrices
+                t_excl = time.perf_counter() - ta  # the anchor's own compute runs on another machine
+                t0 += t_excl
+                tf = time.perf_counter()
+                for n, g in grads.items():
+                    filt.observe(n, g, source_step=snapshot_step, current_step=step)
+                filter_s += time.perf_counter() - tf
+            tf = time.perf_counter()
+            filter_gradients(filt, model.named_parameters())
+            filter_s += time.perf_counter() - tf
+
+        torch.nn.utils.clip_grad_norm_(params, CLIP)
+        opt.step()
+        step_times.append(time.perf_counter() - t0)
+        train_curve.append(float(loss.detach()))
+        if (step + 1) % log_every == 0 or step == steps - 1:
+            model.eval()
+            el, _ = evaluate(pipe, curve_eval, tok, pad, stop_ids=stop_ids)
+            model.train()
+            eval_curve.append([step + 1, el])
+            print(
+                f"[{variant.name} {task} s{seed}] step {step + 1}/{steps} train {float(loss.detach()):.3f} "
+                f"eval(dense,32) {el:.3f} {sum(step_times) / len(step_times):.2f}s/step",
+                flush=True,
+            )
+
+    # ---- evaluation
+    model.eval()
+    t_eval = time.perf_counter()
+    for c in codecs:
+        c.counting = False
+    if is_pca and codecs[0].inner.version is None:  # steps <= warmup: never switched
+        calibrate(pipe, codecs, calib, tok, pad, basis_version)
+
+    def eval_links(j, t=0):
+        return make_links(codecs, seed, EVAL_STEP_BASE + t, microbatch=j)
+
+    el_dense, em_dense = evaluate(pipe, evals, tok, pad, stop_ids=stop_ids)
+    el_codec, em_codec = evaluate(pipe, evals, tok, pad, links_for=eval_links, stop_ids=stop_ids)
+    greedy = None
+    if check_greedy:
+        em_g, outs_dense = exact_match(pipe, evals, tok)
+        em_gc, outs_codec = exact_match(pipe, evals[:check_greedy], tok, links_for=eval_links)
+        _, em_fc = evaluate(pipe, evals[:check_greedy], tok, pad, links_for=eval_links, stop_ids=stop_ids)
+        greedy = {
+            "em_dense_greedy": em_g,
+            "n_codec": check_greedy,
+            "em_codec_greedy": em_gc,
+            "em_codec_forced": em_fc,
+        }
+    eval_s = time.perf_counter() - t_eval
+
+    # ---- accounting
+    train_s = sum(step_times)
+    codec_s = sum(c.seconds for c in codecs) + sum(c.seconds for c in dense_links)
+    payload_bpt = wire_bytes / max(wire_tokens, 1)
+    meters = codecs + dense_links
+    counted = {
+        d: sum(c.bytes[d] for c in meters) / max(sum(c.tokens[d] for c in meters), 1) for d in ("fwd", "bwd")
+    }
+    basis_bytes = codecs[0].inner.basis_nbytes(HIDDEN) if is_pca else 0
+    basis_bpt = basis_bytes / max(wire_tokens, 1)
+    rec = {
+        "variant": variant.name,
+        "codec": variant.codec,
+        "codec_settings": codecs[0].describe(),
+        "schedule": variant.schedule,
+        "task": task,
+        "seed": seed,
+        "steps": steps,
+        "batch": BATCH,
+        "eval_problems": n_eval,
+        "em": em_dense,
+        "em_user_gets": "dense (the trained weights run whole, without the codec)",
+        "em_dense_eval": em_dense,
+        "em_codec_eval": em_codec,
+        "eval_loss": el_dense,
+        "eval_loss_codec": el_codec,
+        "bytes_per_token": payload_bpt + basis_bpt,
+        "payload_bytes_per_token": payload_bpt,
+        "counted_bytes_per_token": counted,
+        "basis_bytes": basis_bytes,
+        "basis_bytes_per_token": basis_bpt,
+        "dense_bytes_per_token": DENSE_BPT,
+        "compression_vs_dense": DENSE_BPT / (payload_bpt + basis_bpt),
+        "steps_codec": mode_counts["codec"],
+        "steps_dense": mode_counts["dense"],
+        "tokens_trained": wire_tokens,
+        "codec_time_frac": codec_s / max(train_s, 1e-9),
+        "filter_time_frac": filter_s / max(train_s, 1e-9) if filt else 0.0,
+        "step_time_s": train_s / steps if steps else 0.0,
+        "calibration_s": calib_s,
+        "anchor": None,
+        "train_loss_curve": train_curve,
+        "eval_loss_curve": eval_curve,
+        "eval_s": eval_s,
+        "wall_s": time.perf_counter() - t_start,
+        "threads": torch.get_num_threads(),
+        "commit": git_commit(),
+        "em_method": "teacher-forced greedy check (see evaluate())",
+        "greedy_check": greedy,
+    }
+    if filt:
+        rec["anchor"] = {
+            "settings": dict(variant.anchor) | {"max_staleness": filt.max_staleness},
+            "packets": anchor_packets,
+            "transport": "full bf16 matrices of all 2-D decoder projections, per packet (sum over 4 stages)",
+            "bytes_per_packet": anchor_bytes // max(anchor_packets, 1),
+            "anchor_compute_s": anchor_s,
+        }
+        rec["anchor_bytes_per_token"] = anchor_bytes / max(wire_tokens, 1)
+    if steps == 0:
+        rec["variant"] = "untrained"
+    return rec
+
+
+# ------------------------------------------------------------------------------------------
+# Results file
+# ------------------------------------------------------------------------------------------
+
+
+def load_results(path: Path) -> list[dict]:
+    if path.exists():
+        return json.loads(path.read_text())
+    return []
+
+
+def append_result(path: Path, rec: dict) -> None:
+    """Read-modify-write under an exclusive lock, so parallel workers never lose an entry."""
+    key = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    with open(Path(tempfile.gettempdir()) / f"bench-quality-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = [r for r in load_results(path) if _key(r) != _key(rec)]
+        data.append(rec)
+        tmp = path.with_suffix(f".json.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+
+
+def _key(r: dict) -> tuple:
+    return (r["variant"], r["task"], r["seed"], r["steps"], r["eval_problems"])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", default="dense,m95", help="comma-separated variant names (see --list)")
+    ap.add_argument("--task", default="arithmetic", help="comma-separated: " + ", ".join(TASKS))
+    ap.add_argument("--seeds", default="0", help="comma-separated run seeds (data order + mask seed)")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--eval", type=int, default=100, help="held-out problems for exact match")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    ap.add_argument(
+        "--check-greedy", type=int, default=0, help="also run real greedy generation (N codec-on)"
+    )
+    ap.add_argument("--force", action="store_true", help="rerun runs already in links.json")
+    ap.add_argument("--list", action="store_true")
+    args = ap.parse_args(argv)
+    if args.list:
+        for v in VARIANTS.values():
+            print(f"{v.name:22s} codec={v.codec} {v.settings} schedule={v.schedule}")
+        return 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "links.json"
+    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        print(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    for task in args.task.split(","):
+        if task not in TASKS:
+            print(f"unknown task {task!r}; known: {', '.join(TASKS)}", file=sys.stderr)
+            return 2
+        for seed in [int(s) for s in args.seeds.split(",")]:
+            for name in names:
+                key = ("untrained" if args.steps == 0 else name, task, seed, args.steps, args.eval)
+                if not args.force and any(_key(r) == key for r in load_results(path)):
+                    print(f"skip {key}: already in {path}", flush=True)
+                    continue
+                rec = run(VARIANTS[name], task, seed, args.steps, args.eval, check_greedy=args.check_greedy)
+                append_result(path, rec)
+                print(
+                    f"DONE {rec['variant']} {task} seed {seed}: EM dense {rec['em_dense_eval']:.3f} "
+                    f"codec {rec['em_codec_eval']:.3f} eval loss {rec['eval_loss']:.3f} "
+                    f"B/token {rec['bytes_per_token']:.1f} ({rec['compression_vs_dense']:.1f}x) "
+                    f"codec {100 * rec['codec_time_frac']:.1f}% filter {100 * rec['filter_time_frac']:.1f}% "
+                    f"wall {rec['wall_s']:.0f}s",
+                    flush=True,
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
