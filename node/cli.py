@@ -55,6 +55,46 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         help="pca codec: coefficient dtype; int8 uses per-block scales (default: %(default)s)",
     )
     g.add_argument(
+        "--outer-every",
+        type=int,
+        default=d["outer_every"],
+        help="DiLoCo: inner steps between outer rounds in which the replicas of a stage average "
+        "their pseudo-gradients; 0 = never (default: %(default)s)",
+    )
+    g.add_argument(
+        "--powersgd-rank",
+        type=int,
+        default=d["powersgd_rank"],
+        help="rank of the PowerSGD-compressed pseudo-gradients; 0 = uncompressed (default: %(default)s)",
+    )
+    g.add_argument(
+        "--group-size",
+        type=int,
+        default=d["group_size"],
+        help="replicas per gossip group in an outer round (default: %(default)s)",
+    )
+    g.add_argument(
+        "--outer-lr", type=float, default=d["outer_lr"], help="outer Nesterov lr (default: %(default)s)"
+    )
+    g.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=d["outer_momentum"],
+        help="outer Nesterov momentum (default: %(default)s)",
+    )
+    g.add_argument(
+        "--outer-mode",
+        default=d["outer_mode"],
+        choices=["diloco", "gasloc"],
+        help="outer optimizer: DiLoCo's Nesterov, or GASLoC's mixed momentum (default: %(default)s)",
+    )
+    g.add_argument(
+        "--outer-timeout",
+        type=float,
+        default=d["outer_timeout"],
+        help="seconds an outer round may take before it is skipped (default: %(default)s)",
+    )
+    g.add_argument(
         "--ap-alpha",
         type=float,
         default=d["ap_alpha"],

@@ -40,6 +40,14 @@ class NodeConfig:
     pca_dtype: str = "int8"
     calibration_tokens: int = 2048  # tokens the run's starter uses to fit a basis codec
     dense_every: int = 0
+    # data-parallel outer rounds (DESIGN 4.3)
+    outer_every: int = 0  # inner steps between outer rounds; 0 = replicas never average
+    powersgd_rank: int = 16  # 0 = uncompressed pseudo-gradients
+    group_size: int = 2
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_mode: str = "diloco"
+    outer_timeout: float = 20.0
     # anchor priors (DESIGN 4.2): the fast nodes' filter, the anchors' staleness and packet rank
     ap_alpha: float = 0.3
     ap_tau: float = 1e-3

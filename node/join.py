@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ from node.basis import BASIS_VERSION, BasisStore, calibrate
 from node.config import NodeConfig
 from node.data import ByteTokenizer, load_examples, microbatches
 from node.devices import GIB, describe_memory, pick_device, stage_memory_bytes
+from node.diloco import OuterSync
 from node.links import build_codec, codec_settings
 from node.membership import (
     JoinError,
@@ -47,6 +49,15 @@ def new_run_record(cfg: NodeConfig, model, name: str, model_hash: str) -> RunRec
         stages=default_stage_ranges(model, cfg.stages),
         codec=codec_settings(cfg),
         dense_every=cfg.dense_every,
+        outer={
+            "every": cfg.outer_every,
+            "rank": cfg.powersgd_rank,
+            "group_size": cfg.group_size,
+            "lr": cfg.outer_lr,
+            "momentum": cfg.outer_momentum,
+            "mode": cfg.outer_mode,
+            "timeout": cfg.outer_timeout,
+        },
         anchor={
             "alpha": cfg.ap_alpha,
             "tau": cfg.ap_tau,
@@ -168,7 +179,7 @@ def run_join(cfg: NodeConfig) -> int:
         torch.set_num_threads(cfg.threads)
     device = pick_device(cfg.device)
     sockdir = socket_dir(cfg.run_id)
-    dht = None
+    dht = outer = None
     try:
         log.info("starting p2pd and the DHT%s", f" (bootstrap: {' '.join(cfg.peers)})" if cfg.peers else "")
         dht = start_dht(cfg)
@@ -220,7 +231,24 @@ def run_join(cfg: NodeConfig) -> int:
             tok = tok or ByteTokenizer(stage.config.vocab_size)
             examples = load_examples(cfg.data, seed=run.seed)
             data = microbatches(examples, tok, run.microbatch, run.seq_len, seed=zlib.crc32(peer_id.encode()))
-        runtime = StageRuntime(cfg, run, index, stage, dht, peer_id, data, device)
+        outer = None
+        if run.outer["every"] > 0 and cfg.circuit == "fast":
+            o = run.outer
+            # hivemind's averager installs signal handlers: it must be created here, on the main thread
+            outer = OuterSync(
+                dht,
+                run.run_id,
+                index,
+                {n: p for n, p in stage.named_parameters() if p.requires_grad},
+                rank=int(o["rank"]),
+                group_size=int(o["group_size"]),
+                outer_lr=float(o["lr"]),
+                momentum=float(o["momentum"]),
+                seed=run.seed,
+                timeout=float(o["timeout"]),
+                mode=o["mode"],
+            )
+        runtime = StageRuntime(cfg, run, index, stage, dht, peer_id, data, device, outer=outer)
         runtime.maddrs = maddrs
         runtime.bases = bases
 
@@ -243,6 +271,9 @@ def run_join(cfg: NodeConfig) -> int:
         print("interrupted before the node started serving; cleaned up", file=sys.stderr, flush=True)
         return 130
     finally:
+        if outer is not None:
+            with contextlib.suppress(Exception):
+                outer.shutdown()
         if dht is not None:
             t0 = time.monotonic()
             try:

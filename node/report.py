@@ -35,6 +35,33 @@ def sum_links(metrics: list[dict]) -> list[dict]:
     ]
 
 
+def outer_summary(metrics: list[dict]) -> dict:
+    """Outer rounds summed over peers, and the largest distance between replicas' outer models
+    (read from the ``outer_theta.safetensors`` each node leaves in its state dir)."""
+    rounds = [r for m in metrics for r in m.get("outer_rounds", [])]
+    dists = []
+    thetas: dict[int, list[dict]] = defaultdict(list)
+    for m in metrics:
+        path = Path(m.get("state_dir", "/nonexistent")) / "outer_theta.safetensors"
+        if path.exists():
+            from safetensors.torch import load_file
+
+            thetas[m["stage"]].append(load_file(str(path)))
+    if thetas:
+        from compression.outer import param_distance
+
+        dists = [
+            param_distance(a, b) for ts in thetas.values() for i, a in enumerate(ts) for b in ts[i + 1 :]
+        ]
+    return {
+        "rounds": len([r for r in rounds if not r["skipped"]]),
+        "skipped": len([r for r in rounds if r["skipped"]]) + sum(m.get("outer_alone", 0) for m in metrics),
+        "bytes": sum(r["bytes_sent"] for r in rounds),
+        "dense_bytes": sum(r["dense_bytes"] for r in rounds),
+        "max_replica_distance": max(dists) if dists else None,
+    }
+
+
 def build_report(metrics: list[dict], n_stages: int, **extra) -> dict:
     # the training loss a user cares about is the fast circuit's; anchors only feed its filter
     tails = [m for m in metrics if m["stage"] == n_stages - 1 and m.get("circuit", "fast") == "fast"]
@@ -57,6 +84,7 @@ def build_report(metrics: list[dict], n_stages: int, **extra) -> dict:
         "anchor_bytes": sum(m.get("anchor_bytes", 0) for m in metrics),
         "anchor_pull_bytes": sum(m.get("anchor_pull_bytes", 0) for m in metrics),
         "anchor_packets_received": sum(m.get("anchor_packets_received", 0) for m in metrics),
+        "outer": outer_summary(fast),
         "rejected_frames": sum(m["rejected_frames"] for m in metrics),
         "microbatches_per_peer": {m["peer_id"]: m["microbatches"] for m in metrics},
         "nodes": metrics,

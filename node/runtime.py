@@ -73,6 +73,10 @@ class HopFailed(RuntimeError):
         self.retry = retry
 
 
+class Busy(RuntimeError):
+    """This node cannot take work now; the sender should try another replica."""
+
+
 class StepGate:
     """Bounds in-flight microbatches and lets the optimizer step only when none is in flight.
 
@@ -84,14 +88,25 @@ class StepGate:
         self.cap = cap
         self.inflight = 0
         self.stepping = False
+        self.refusing = False  # during a long exclusive phase (an outer round): turn work away at once
         self._cond = asyncio.Condition()
 
     async def enter(self, timeout: float) -> None:
         async with self._cond:
             await asyncio.wait_for(
-                self._cond.wait_for(lambda: not self.stepping and self.inflight < self.cap), timeout
+                self._cond.wait_for(
+                    lambda: self.refusing or (not self.stepping and self.inflight < self.cap)
+                ),
+                timeout,
             )
+            if self.refusing:
+                raise Busy("in an outer round; try another replica")
             self.inflight += 1
+
+    async def set_refusing(self, refusing: bool) -> None:
+        async with self._cond:
+            self.refusing = refusing
+            self._cond.notify_all()  # waiters re-check and leave at once
 
     async def exit(self) -> None:
         async with self._cond:
@@ -139,6 +154,8 @@ class Metrics:
         self.compute_s = 0.0
         self.filter_s = 0.0
         self.state_pull_bytes = 0
+        self.outer_rounds: list[dict] = []
+        self.outer_alone = 0
 
     def count_frame(self, boundary: int, direction: str, nbytes: int, tokens: int) -> None:
         c = self.links[(boundary, direction)]
@@ -167,6 +184,7 @@ class StageRuntime:
         peer_id: str,
         data_stream=None,
         device: torch.device | None = None,
+        outer=None,
     ):
         self.cfg, self.run, self.index, self.stage = cfg, run, stage_index, stage
         self.n_stages = len(run.stages)
@@ -207,6 +225,7 @@ class StageRuntime:
         self.p2p = None
         self.maddrs: list[str] = []
         self.bases = None  # node.basis.BasisStore when the run's codec needs a basis
+        self.outer = outer  # node.diloco.OuterSync when the run averages replicas
         params = [p for p in stage.parameters() if p.requires_grad]
         self.params = params
         self.opt = torch.optim.AdamW(params, lr=run.lr, weight_decay=run.weight_decay)
@@ -288,6 +307,7 @@ class StageRuntime:
             ok = True
         else:
             ok = await self.compute(self._optimizer_step)
+            await self._maybe_outer_round(self.inner_step + 1)
         self.metrics.trained_tokens += self._acc_tokens
         if not ok:
             self.metrics.skipped_steps += 1
@@ -296,6 +316,33 @@ class StageRuntime:
         self.metrics.close_step()
         if self.cfg.max_steps and self.inner_step >= self.cfg.max_steps:
             self.stop.set()
+
+    def _save_theta(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(
+            {k: v.contiguous() for k, v in self.outer.theta_global().items()},
+            os.path.join(self.cfg.state_dir, "outer_theta.safetensors"),
+        )
+
+    async def _maybe_outer_round(self, step: int) -> None:
+        """Every H inner steps, average pseudo-gradients with the stage's live replicas (DESIGN 4.3)."""
+        every = int(self.run.outer["every"])
+        if self.outer is None or step % every:
+            return
+        if not fast_peers_of_stage(self):  # alone on the stage: nobody to average with
+            self.metrics.outer_alone += 1
+            return
+        # Replicas meet only if the others can reach their round while we wait in ours: turn
+        # microbatches away (upstream retries them on another replica) instead of holding them.
+        await self.gate.set_refusing(True)
+        try:
+            stats = await self.compute(self.outer.round, step // every)
+        finally:
+            await self.gate.set_refusing(False)
+        self.metrics.outer_rounds.append(stats.as_dict())
+        if stats.skipped:
+            log.info("outer round %d skipped: %s", stats.round, stats.reason)
 
     def _record_throughput(self, tokens: int, seconds: float) -> None:
         if seconds > 0:
@@ -532,6 +579,9 @@ class StageRuntime:
                 await self.gate.enter(timeout=1.0)
             except asyncio.TimeoutError:
                 continue
+            except Busy:  # our own outer round: no new microbatches until it ends
+                await asyncio.sleep(0.2)
+                continue
             if self.stop.is_set():
                 await self.gate.exit()
                 break
@@ -599,6 +649,9 @@ class StageRuntime:
             "anchor_packets_stale": self.packet_sink.dropped_stale if self.filter is not None else 0,
             "filter_s": m.filter_s,
             "state_pull_bytes": m.state_pull_bytes,
+            "outer_rounds": m.outer_rounds,
+            "outer_alone": m.outer_alone,
+            "state_dir": self.cfg.state_dir,
             "basis_bytes_served": self.bases.bytes_served if self.bases else 0,
             "throughput": self._throughput,
             "compute_s": m.compute_s,
@@ -681,6 +734,9 @@ class StageRuntime:
                 await asyncio.wait_for(t, timeout=self._hop_deadline(0) + 10)
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 t.cancel()
+        if self.outer is not None:  # the replicas' shared outer model, for the report's drift figure
+            with contextlib.suppress(Exception):
+                await self.compute(self._save_theta)
         self.write_metrics()
         self.write_health(serving=False)
         try:
@@ -690,9 +746,16 @@ class StageRuntime:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     async def _join_from_peers(self) -> None:
-        """A node joining a stage that others already train starts from their current weights."""
+        """A node joining a stage that others already train starts from their current weights.
+
+        With outer rounds that is the replicas' shared outer state (theta_global, momentum,
+        PowerSGD Q), not one peer's local weights: those would count its local progress twice.
+        """
         await self.refresh_routes()
-        if fast_peers_of_stage(self):
+        if fast_peers_of_stage(self) and self.outer is not None:
+            ok = await self.compute(self.outer.load_state_from_peers, self.cfg.join_timeout)
+            log.info("outer state %s from the stage's replicas", "loaded" if ok else "not available")
+        elif fast_peers_of_stage(self):
             pulled = await pull_weights(self)
             if pulled is None:
                 log.warning(

@@ -50,6 +50,18 @@ class RunRecord:
     stages: list[list[int]]  # [start, end) decoder-layer ranges, one per stage
     codec: dict = field(default_factory=lambda: {"codec": "dense", "wire_dtype": "bfloat16"})
     dense_every: int = 0  # periodic clean step: every K-th step crosses links uncompressed
+    # data-parallel outer rounds among replicas of a stage (DiLoCo/GASLoC with PowerSGD)
+    outer: dict = field(
+        default_factory=lambda: {
+            "every": 0,
+            "rank": 16,
+            "group_size": 2,
+            "lr": 0.7,
+            "momentum": 0.9,
+            "mode": "diloco",
+            "timeout": 20.0,
+        }
+    )
     # anchor priors: the fast nodes' spectral filter and the anchors' pull/packet settings
     anchor: dict = field(
         default_factory=lambda: {
@@ -98,6 +110,7 @@ class RunRecord:
                 "codec": dict,
                 "dense_every": int,
                 "anchor": dict,
+                "outer": dict,
                 "seed": int,
                 "lr": (int, float),
                 "weight_decay": (int, float),
