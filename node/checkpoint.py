@@ -162,6 +162,24 @@ def unflatten_state(tensors: Mapping[str, torch.Tensor], skeleton: Any) -> Any:
     return dec(skeleton)
 
 
+def clone_state(state: Any) -> Any:
+    """A deep copy of a nested state with every tensor detached and cloned to the CPU.
+
+    Take it where the tensors are consistent (the compute thread, right after an optimizer
+    step, no microbatch in flight), then hand it to ``save_checkpoint`` on another thread
+    while training continues.
+    """
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, Mapping):
+        return {k: clone_state(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [clone_state(v) for v in state]
+    if isinstance(state, tuple):
+        return tuple(clone_state(v) for v in state)
+    return state
+
+
 def _prepare_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """CPU, contiguous, and no two entries sharing storage (safetensors refuses shared storage)."""
     out: dict[str, torch.Tensor] = {}
