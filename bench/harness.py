@@ -1,0 +1,764 @@
+"""The bandwidth-capped swarm harness (issue 5): one network namespace per node, every link shaped.
+
+    python -m bench.harness --nodes 6 --stages 3 --rate 80mbit --codec mask --mask-rate 0.95 \\
+        --mode emulated --seconds 60 --out runs/harness
+    python -m bench.harness --compare --codecs dense,m90,m95,m95+anchors --sweep 10,400 ...
+
+Each node runs `python -m node join` inside its own namespace (ns address, fixed port); node 0
+starts the swarm, the others bootstrap from node 0's namespace address. Every node's veth is
+shaped with tc tbf at --rate on both ends (upload and download; netem is not in this kernel).
+The harness polls each node's --metrics-file, measures a steady window of --seconds after the
+first microbatch completes, builds report.json with node.report.build_report, appends one
+entry per run to bench/results/harness.json, and always tears everything down (processes,
+namespaces, veths, bridge) on success, failure, Ctrl-C and SIGTERM.
+
+Without root or namespace support it prints one line and exits with status 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.netns import NetnsUnavailable, Topology, check_support, leftover_namespaces, parse_rate
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+PORT = 31337
+EXIT_UNSUPPORTED = 3
+READY_TIMEOUT_S = 300.0
+STOP_GRACE_S = 15.0
+
+
+class HarnessError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    codec: str
+    mask_rate: float = 0.0
+    anchors: int = 0  # anchor nodes per stage (own namespaces, own capped links)
+
+
+VARIANTS = {
+    "dense": Variant("dense", "dense"),
+    "m90": Variant("M90", "mask", 0.90),
+    "m95": Variant("M95", "mask", 0.95),
+    "m95+anchors": Variant("M95+anchors", "mask", 0.95, anchors=1),
+}
+
+
+def variant_from_args(a) -> Variant:
+    if a.codec == "dense":
+        return Variant("dense", "dense", anchors=a.anchors)
+    if a.codec == "mask":
+        label = f"M{round(a.mask_rate * 100)}" + ("+anchors" if a.anchors else "")
+        return Variant(label, "mask", a.mask_rate, a.anchors)
+    return Variant(a.codec, a.codec, anchors=a.anchors)
+
+
+# ---------------------------------------------------------------------------------------------- data
+_WORDS = (
+    "the of and to in is was for on that with as by at from his her an were are which this be or has had "
+    "one first new two their after also its been but who not they time year city part when there world "
+    "between during other into more only over state school three most many some before being under war "
+    "river family name later used since where national known while then team season these both album"
+).split()
+
+
+def write_text_data(path: Path, seq_len: int, chars_per_token: float, n: int = 256, seed: int = 0) -> None:
+    """Paragraphs long enough that every sequence fills seq_len tokens (no padding: fixed shapes)."""
+    rng = random.Random(seed)
+    need = int(seq_len * chars_per_token) + 64
+    paras = []
+    for _ in range(n):
+        words: list[str] = []
+        length = 0
+        while length < need:
+            w = rng.choice(_WORDS)
+            words.append(w)
+            length += len(w) + 1
+        paras.append(" ".join(words))
+    path.write_text("\n\n".join(paras) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------- nodes
+def model_spec(a) -> str:
+    if a.mode == "real":
+        return a.model or "bundled"
+    return a.model or f"emulate:{a.hidden}:{a.layers}:{a.us_per_token_layer:g}"
+
+
+def join_command(
+    a,
+    v: Variant,
+    topo: Topology,
+    ns_index: int,
+    stage: int,
+    circuit: str,
+    nodedir: Path,
+    run_id: str,
+    data: Path,
+    peers: list[str],
+    wait_peers: int,
+) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "node",
+        "join",
+        "--host",
+        topo.addr(ns_index),
+        "--port",
+        str(PORT),
+        "--run-id",
+        run_id,
+        "--stage",
+        str(stage),
+        "--state-dir",
+        str(nodedir),
+        "--metrics-file",
+        str(nodedir / "metrics.json"),
+        "--ready-file",
+        str(nodedir / "ready.json"),
+        "--threads",
+        "1",
+        "--device",
+        "cpu",
+        "--data",
+        str(data),
+        "--max-inflight",
+        str(a.max_inflight),
+        "--hop-timeout",
+        str(a.hop_timeout),
+        "--heartbeat",
+        str(a.heartbeat),
+        "--wait-peers",
+        str(wait_peers),
+        "--join-timeout",
+        "120",
+        "--p2pd-timeout",
+        "60",
+        # run settings: every node gets them, node 0 publishes them, the rest verify the model
+        "--model",
+        model_spec(a),
+        "--stages",
+        str(a.stages),
+        "--codec",
+        v.codec,
+        "--mask-rate",
+        str(v.mask_rate or 0.95),
+        "--wire-dtype",
+        a.wire_dtype,
+        "--seq-len",
+        str(a.seq_len),
+        "--microbatch",
+        str(a.microbatch),
+        "--batch-tokens",
+        str(a.batch_tokens),
+        "--seed",
+        str(a.seed),
+        "--lr",
+        str(a.lr),
+    ]
+    if circuit != "fast":
+        cmd += ["--circuit", circuit]
+    cmd += shlex.split(a.node_args or "")
+    if peers:
+        cmd += ["--peers", *peers]
+    return topo.exec_prefix(ns_index) + cmd
+
+
+def _tail(path: Path, n: int = 6) -> str:
+    try:
+        return "\n".join(path.read_text().splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+class Swarm:
+    """The node processes of one run, inside an existing topology."""
+
+    def __init__(self, a, v: Variant, topo: Topology, rundir: Path, data: Path):
+        self.a, self.v, self.topo, self.rundir, self.data = a, v, topo, rundir, data
+        self.run_id = f"harness-{uuid.uuid4().hex[:8]}"
+        self.procs: list[subprocess.Popen] = []
+        self.roles: list[tuple[int, str]] = []  # (stage, circuit) per node
+        self.n_fast = a.nodes
+        self.n_total = a.nodes + v.anchors * a.stages
+
+    def nodedir(self, i: int) -> Path:
+        return self.rundir / "nodes" / str(i)
+
+    def _spawn(self, i: int, stage: int, circuit: str, peers: list[str]) -> None:
+        d = self.nodedir(i)
+        d.mkdir(parents=True, exist_ok=True)
+        for stale in ("ready.json", "metrics.json"):
+            (d / stale).unlink(missing_ok=True)
+        cmd = join_command(
+            self.a, self.v, self.topo, i, stage, circuit, d, self.run_id, self.data, peers, self.n_total
+        )
+        (d / "command.txt").write_text(shlex.join(cmd) + "\n")
+        log = open(d / "node.log", "w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        self.procs.append(
+            subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=REPO,
+                start_new_session=True,
+            )
+        )
+        self.roles.append((stage, circuit))
+
+    def _wait_ready(self, idx: list[int]) -> dict[int, dict]:
+        out: dict[int, dict] = {}
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while len(out) < len(idx):
+            for i in idx:
+                if i in out:
+                    continue
+                f = self.nodedir(i) / "ready.json"
+                if f.exists():
+                    out[i] = json.loads(f.read_text())
+                elif self.procs[i].poll() is not None:
+                    raise HarnessError(
+                        f"node {i} exited with code {self.procs[i].returncode} before claiming "
+                        f"a stage:\n{_tail(self.nodedir(i) / 'node.log')}"
+                    )
+            if time.monotonic() > deadline:
+                raise HarnessError(
+                    f"nodes {sorted(set(idx) - set(out))} did not claim a stage within "
+                    f"{READY_TIMEOUT_S:.0f}s; see {self.rundir}/nodes/*/node.log"
+                )
+            time.sleep(0.2)
+        return out
+
+    def start(self) -> None:
+        a = self.a
+        # node 0 starts the swarm (stage 0); the rest claim explicit stages round-robin, all at once
+        self._spawn(0, 0, "fast", [])
+        ready = self._wait_ready([0])[0]
+        addr = next((m for m in ready["maddrs"] if f"/ip4/{self.topo.addr(0)}/" in m), ready["maddrs"][0])
+        peers = [addr if "/p2p/" in addr else f"{addr}/p2p/{ready['peer_id']}"]
+        for i in range(1, self.n_fast):
+            self._spawn(i, i % a.stages, "fast", peers)
+        for j in range(self.v.anchors * a.stages):
+            self._spawn(self.n_fast + j, j % a.stages, "anchor", peers)
+        self._wait_ready(list(range(1, self.n_total)))
+
+    def check_alive(self) -> None:
+        for i, p in enumerate(self.procs):
+            if p.poll() is not None:
+                raise HarnessError(
+                    f"node {i} exited early (code {p.returncode}):\n{_tail(self.nodedir(i) / 'node.log')}"
+                )
+
+    def read_metrics(self) -> dict[int, dict]:
+        out = {}
+        for i in range(len(self.procs)):
+            try:
+                out[i] = json.loads((self.nodedir(i) / "metrics.json").read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+        return out
+
+    def stop(self) -> None:
+        """SIGTERM heads first, then the rest; whatever is left in the namespaces is killed."""
+        for stage in sorted({s for s, _ in self.roles}):
+            for p, (s, _) in zip(self.procs, self.roles):
+                if s == stage and p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                p.wait(timeout=10)
+        self.topo.kill_all_processes()  # DHT processes and p2pd daemons left behind, if any
+
+
+# ---------------------------------------------------------------------------------------------- measure
+def _egress_bytes(m: dict) -> int:
+    """Frame bytes a node wrote: its forward frames downstream and its backward replies upstream."""
+    return sum(lk["bytes"] for lk in m["links"])
+
+
+def _is_fast(m: dict) -> bool:
+    return m.get("circuit", "fast") == "fast"
+
+
+def summarise(snaps: list[dict], a, v: Variant, topo: Topology, t_first: float) -> dict:
+    """Rates over the window [first snapshot at/after t_first, last snapshot]."""
+    window = [s for s in snaps if s["t"] >= t_first]
+    if len(window) < 2:
+        raise HarnessError("the measurement window holds fewer than two metric snapshots")
+    s0, s1 = window[0], window[-1]
+    cap_bytes = topo.rate_bps / 8
+    tokens_per_mb = a.microbatch * a.seq_len
+    tok_rate = 0.0
+    tokens = 0
+    egress = {}
+    for i, m1 in s1["metrics"].items():
+        m0 = s0["metrics"].get(i)
+        if m0 is None or not _is_fast(m1):
+            continue
+        dt = max(m1["time"] - m0["time"], 1e-9)
+        if m1["stage"] == 0:  # completed microbatches at the head: forward and backward done end to end
+            d = (m1["microbatches"] - m0["microbatches"]) * tokens_per_mb
+            tokens += d
+            tok_rate += d / dt
+        egress[i] = (_egress_bytes(m1) - _egress_bytes(m0)) / dt
+    dtw = max(s1["t"] - s0["t"], 1e-9)
+    wire = {}
+    for i in range(a.nodes):
+        c0, c1 = s0["counters"].get(i), s1["counters"].get(i)
+        if c0 and c1:
+            wire[i] = {d: (c1[d] - c0[d]) / dtw for d in ("up", "down")}
+    busiest = max(egress, key=egress.get) if egress else None
+    wire_busiest = max(
+        ((i, d) for i in wire for d in ("up", "down")), key=lambda k: wire[k[0]][k[1]], default=None
+    )
+    return {
+        "tokens_per_s": tok_rate,
+        "window_tokens": tokens,
+        "window_s": dtw,
+        "link_utilisation": egress[busiest] / cap_bytes if busiest is not None else None,
+        "busiest_node": busiest,
+        "busiest_node_stage": s1["metrics"][busiest]["stage"] if busiest is not None else None,
+        "egress_frame_bytes_per_s": {str(i): round(b) for i, b in sorted(egress.items())},
+        "wire_utilisation": (wire[wire_busiest[0]][wire_busiest[1]] / cap_bytes) if wire_busiest else None,
+        "wire_busiest": f"node {wire_busiest[0]} {wire_busiest[1]}" if wire_busiest else None,
+        "wire_bytes_per_s": {str(i): {d: round(x) for d, x in w.items()} for i, w in sorted(wire.items())},
+    }
+
+
+def link_table(report: dict) -> list[dict]:
+    return [
+        {
+            "boundary": lk["boundary"],
+            "direction": lk["direction"],
+            "bytes_per_token": lk["bytes_per_token"],
+            "frames": lk["frames"],
+        }
+        for lk in report["links"]
+        if lk["bytes_per_token"]
+    ]
+
+
+def ceilings(a, links: list[dict], rate_bps: float, hidden: int) -> dict:
+    """Token-rate ceilings: the per-link 10^7/(bytes per token) and the topology's (which node saturates)."""
+    cap = rate_bps / 8
+    bpt = {(lk["boundary"], lk["direction"]): lk["bytes_per_token"] for lk in links}
+    worst = max(bpt.values()) if bpt else None
+    per_stage = a.nodes // a.stages
+    topo_ceiling = None
+    if bpt:
+        limits = []
+        for s in range(a.stages):
+            up = bpt.get((s, "forward"), 0) + bpt.get((s - 1, "backward"), 0)  # what stage s uploads
+            down = bpt.get((s - 1, "forward"), 0) + bpt.get((s, "backward"), 0)  # what it downloads
+            limits.append(per_stage * cap / max(up, down, 1e-9))
+        topo_ceiling = min(limits)
+    compute = None
+    if a.mode == "emulated":
+        # the stage with the most layers bounds it: each replica computes one microbatch at a time
+        from node.emulated import parse_spec
+
+        _, layers, us, _ = parse_spec(model_spec(a))
+        most = -(-layers // a.stages)
+        compute = per_stage / (most * us * 1e-6) if us > 0 else None
+    return {
+        "bytes_per_token": worst,
+        "ceiling_tokens_per_s": cap / worst if worst else None,
+        "topology_ceiling_tokens_per_s": topo_ceiling,
+        "compute_ceiling_tokens_per_s": compute,
+    }
+
+
+def hidden_size(a) -> int:
+    if a.mode == "emulated":
+        from node.emulated import parse_spec
+
+        return parse_spec(model_spec(a))[0]
+    try:
+        from node.model import bundled_dir
+
+        path = bundled_dir() if model_spec(a) == "bundled" else Path(model_spec(a))
+        return int(json.loads((path / "config.json").read_text())["hidden_size"])
+    except (OSError, KeyError, ValueError):
+        return 0
+
+
+def _cores(cpu: dict) -> float | None:
+    if "s1" not in cpu:
+        return None
+    return round((sum(cpu["s1"].values()) - sum(cpu["s0"].values())) / (cpu["t1"] - cpu["t0"]), 2)
+
+
+def _cores_by_command(cpu: dict) -> dict[str, float]:
+    if "s1" not in cpu:
+        return {}
+    dt = cpu["t1"] - cpu["t0"]
+    return {k: round((v - cpu["s0"].get(k, 0.0)) / dt, 3) for k, v in sorted(cpu["s1"].items())}
+
+
+def run_one(a, v: Variant, topo: Topology, out: Path, data: Path, command: str) -> dict:
+    from node.report import build_report
+
+    rundir = out / f"{v.label}-{round(topo.rate_bps / 1e6)}mbit-{a.mode}"
+    rundir.mkdir(parents=True, exist_ok=True)
+    swarm = Swarm(a, v, topo, rundir, data)
+    snaps: list[dict] = []
+    t_start = time.monotonic()
+    t_first = None
+    cpu = {}
+    status = "ok"
+    print(
+        f"[{v.label} @ {topo.rate_bps / 1e6:g} Mbit/s, {a.mode}] starting {swarm.n_total} nodes "
+        f"(logs: {rundir}/nodes)",
+        flush=True,
+    )
+    try:
+        swarm.start()
+        print(f"  all {swarm.n_total} nodes ready after {time.monotonic() - t_start:.0f}s", flush=True)
+        last_print = 0.0
+        while True:
+            time.sleep(1.0)
+            swarm.check_alive()
+            snap = {"t": time.monotonic(), "metrics": swarm.read_metrics(), "counters": topo.counters()}
+            snaps.append(snap)
+            heads = [m for m in snap["metrics"].values() if m["stage"] == 0 and _is_fast(m)]
+            done = sum(m["microbatches"] for m in heads)
+            if t_first is None and done > 0:
+                t_first = snap["t"] + a.warmup
+                print(
+                    f"  first microbatch done after {snap['t'] - t_start:.0f}s; warm-up {a.warmup:g}s, "
+                    f"then measuring {a.seconds:g}s",
+                    flush=True,
+                )
+            tail_steps = max(
+                (
+                    m["inner_step"]
+                    for m in snap["metrics"].values()
+                    if m["stage"] == a.stages - 1 and _is_fast(m)
+                ),
+                default=0,
+            )
+            if snap["t"] - last_print > 10:
+                el = snap["t"] - (t_first or snap["t"])  # negative during the warm-up
+                print(f"  {el:5.0f}s  microbatches {done}  tail steps {tail_steps}", flush=True)
+                last_print = snap["t"]
+            if t_first is not None and snap["t"] >= t_first and "t0" not in cpu:
+                cpu.update(t0=time.monotonic(), s0=topo.cpu_seconds())
+            if t_first is not None and (
+                snap["t"] - t_first >= a.seconds or (a.steps and tail_steps >= a.steps)
+            ):
+                cpu.update(t1=time.monotonic(), s1=topo.cpu_seconds())
+                break
+            if snap["t"] - t_start > a.timeout:
+                raise HarnessError(f"no result within --timeout {a.timeout:.0f}s")
+    except HarnessError as e:
+        status = f"error: {e}"
+        print(f"  {status}", file=sys.stderr, flush=True)
+    finally:
+        swarm.stop()
+    if t_first is None or status != "ok":
+        raise HarnessError(status if status != "ok" else "no microbatch completed")
+    final = snaps[-1]["metrics"]
+    metrics = [final[i] for i in sorted(final)]
+    rep = build_report(
+        metrics,
+        a.stages,
+        run_id=swarm.run_id,
+        model=model_spec(a),
+        codec=v.codec,
+        elapsed_s=snaps[-1]["t"] - t_start,
+    )
+    (rundir / "report.json").write_text(json.dumps(rep, indent=1))
+    s = summarise(snaps, a, v, topo, t_first)
+    links = link_table(rep)
+    hidden = hidden_size(a)
+    entry = {
+        "label": v.label,
+        "codec": v.codec,
+        "mask_rate": v.mask_rate if v.codec == "mask" else None,
+        "anchors": v.anchors,
+        "dp": a.dp,
+        "rate_mbit": topo.rate_bps / 1e6,
+        "mode": a.mode,
+        "model": model_spec(a),
+        "hidden": hidden,
+        "nodes": a.nodes,
+        "stages": a.stages,
+        "seq_len": a.seq_len,
+        "microbatch": a.microbatch,
+        "batch_tokens": a.batch_tokens,
+        "max_inflight": a.max_inflight,
+        "wire_dtype": a.wire_dtype,
+        "tokens_per_s": round(s["tokens_per_s"], 1),
+        **{
+            k: (round(x, 2) if isinstance(x, float) else x)
+            for k, x in ceilings(a, links, topo.rate_bps, hidden).items()
+        },
+        "bytes_per_token_links": links,
+        "link_utilisation": round(s["link_utilisation"], 4) if s["link_utilisation"] is not None else None,
+        "busiest_node_stage": s["busiest_node_stage"],
+        "wire_utilisation": round(s["wire_utilisation"], 4) if s["wire_utilisation"] is not None else None,
+        "wire_busiest": s["wire_busiest"],
+        "egress_frame_bytes_per_s": s["egress_frame_bytes_per_s"],
+        "wire_bytes_per_s": s["wire_bytes_per_s"],
+        "steps": max(
+            (m["inner_step"] for m in metrics if m["stage"] == a.stages - 1 and _is_fast(m)), default=0
+        ),
+        "seconds": round(s["window_s"], 1),
+        "window_tokens": s["window_tokens"],
+        "dropped_microbatches": rep["dropped_microbatches"],
+        # CPU cores the swarm's processes (nodes, DHT processes, p2pd) used during the window
+        "swarm_cpu_cores": _cores(cpu),
+        "swarm_cpu_cores_by_command": _cores_by_command(cpu),
+        "host_cpus": os.cpu_count(),
+        "anchor_bytes": rep.get("anchor_bytes", 0),
+        "tcp_check_mbit": getattr(a, "_tcp_check_mbit", None),
+        "command": command,
+        "report": str(rundir / "report.json"),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
+    e = entry
+    print(
+        f"  -> {e['tokens_per_s']:.0f} tokens/s  (ceiling {e['ceiling_tokens_per_s'] or 0:.0f}), "
+        f"{e['bytes_per_token'] or 0:.1f} B/token, busiest link {e['link_utilisation'] or 0:.0%} "
+        f"of the cap (wire {e['wire_utilisation'] or 0:.0%}), {e['dropped_microbatches']} dropped, "
+        f"swarm used {e['swarm_cpu_cores']} of {e['host_cpus']} cores (load {e['loadavg_1m']})",
+        flush=True,
+    )
+    return entry
+
+
+def append_results(entries: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        old = []
+    path.write_text(json.dumps(old + entries, indent=1) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.harness", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--nodes", type=int, default=6, help="fast nodes, one namespace each (default: %(default)s)"
+    )
+    p.add_argument("--stages", type=int, default=3, help="pipeline stages (default: %(default)s)")
+    p.add_argument("--rate", default="80mbit", help="tbf rate of every node's link, both directions")
+    p.add_argument("--codec", default="mask", choices=["dense", "mask", "pca", "topk", "int8", "int4"])
+    p.add_argument("--mask-rate", type=float, default=0.95)
+    p.add_argument("--anchors", type=int, default=0, help="anchor nodes per stage (default: %(default)s)")
+    p.add_argument(
+        "--dp",
+        default="none",
+        choices=["none"],
+        help="data-parallel compression between replicas (only 'none': no DP flags on join yet)",
+    )
+    p.add_argument("--mode", default="emulated", choices=["emulated", "real"])
+    p.add_argument(
+        "--model", default=None, help="override the model spec (default: emulate:HIDDEN:LAYERS:US or bundled)"
+    )
+    p.add_argument("--hidden", type=int, default=2048, help="emulated hidden size (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=16, help="emulated decoder layers (default: %(default)s)")
+    p.add_argument(
+        "--us-per-token-layer",
+        type=float,
+        default=None,
+        help="emulated compute, microseconds per token per layer, forward+backward "
+        "(default: a Llama-3.2-1B layer on an RTX 4090 at 40%% MFU, see node/emulated.py)",
+    )
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--microbatch", type=int, default=8)
+    p.add_argument("--batch-tokens", type=int, default=262144, help="tokens per node per optimizer step")
+    p.add_argument("--max-inflight", type=int, default=16)
+    p.add_argument("--hop-timeout", type=float, default=180.0)
+    p.add_argument(
+        "--heartbeat",
+        type=float,
+        default=2.0,
+        help="node heartbeat and metrics period; stage records expire after 6 s, so keep it <= 2 "
+        "(1 s costs an idle 6-node swarm ~0.4 cores; default: %(default)s)",
+    )
+    p.add_argument("--wire-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--node-args", default="", help="extra flags for every `node join` (quoted string)")
+    p.add_argument(
+        "--steps", type=int, default=0, help="stop once the tail took this many inner steps (0: off)"
+    )
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=60.0,
+        help="seconds after the first completed microbatch before the window opens (the start-up "
+        "burst synchronises the microbatches; default: %(default)s)",
+    )
+    p.add_argument("--seconds", type=float, default=120.0, help="measurement window after the warm-up")
+    p.add_argument("--timeout", type=float, default=900.0, help="give up on a run after this many seconds")
+    p.add_argument("--compare", action="store_true", help="run --codecs side by side at the same settings")
+    p.add_argument(
+        "--codecs",
+        default="dense,m95",
+        help=f"variants for --compare, from {','.join(VARIANTS)} (default: %(default)s)",
+    )
+    p.add_argument("--sweep", default="", help="also run dense and M95 at these rates in Mbit/s, e.g. 10,400")
+    p.add_argument("--skip-tcp-check", action="store_true", help="skip the raw TCP rate check")
+    p.add_argument("--out", default="runs/harness", help="run directories (node logs, report.json)")
+    p.add_argument("--results", default=str(RESULTS / "harness.json"), help="append entries here")
+    p.add_argument(
+        "--plot", action="store_true", help="after the runs, redraw bench/results/*.png from --results"
+    )
+    p.add_argument(
+        "--plot-only", action="store_true", help="only redraw the plots from --results, run nothing"
+    )
+    return p
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    command = "python -m bench.harness " + shlex.join(sys.argv[1:] if argv is None else argv)
+    if a.plot_only:
+        from bench.harness_plots import plot_all
+
+        for path in plot_all(Path(a.results), RESULTS):
+            print(path)
+        return 0
+    if a.us_per_token_layer is None:
+        from node.emulated import DEFAULT_US
+
+        a.us_per_token_layer = DEFAULT_US
+    if a.nodes < a.stages:
+        print(f"error: --nodes {a.nodes} cannot serve --stages {a.stages}", file=sys.stderr)
+        return 2
+    try:
+        check_support()
+    except NetnsUnavailable as e:
+        print(f"bench.harness: cannot build the capped network here: {e}", file=sys.stderr)
+        return EXIT_UNSUPPORTED
+    if a.compare:
+        variants = []
+        for name in a.codecs.split(","):
+            if name.strip().lower() not in VARIANTS:
+                print(f"error: unknown variant {name!r}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
+                return 2
+            variants.append(VARIANTS[name.strip().lower()])
+    else:
+        variants = [variant_from_args(a)]
+    rate = parse_rate(a.rate)
+    plan = [(rate, v) for v in variants]
+    for r in (x for x in a.sweep.split(",") if x.strip()):
+        plan += [(float(r) * 1e6, VARIANTS["dense"]), (float(r) * 1e6, VARIANTS["m95"])]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = out / "data.txt"
+    write_text_data(data, a.seq_len, chars_per_token=1.0 if a.mode == "emulated" else 8.0, seed=a.seed)
+    n_ns = a.nodes + max(v.anchors for _, v in plan) * a.stages
+    topo = Topology(n_ns, rate)
+    old_int, old_term = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    entries: list[dict] = []
+    status = 0
+    try:
+        topo.build()
+        print(
+            f"built {n_ns} namespaces on a bridge, tbf {rate / 1e6:g} Mbit/s each way per node "
+            f"({topo.bridge_ns}, {topo.ns(0)}..)",
+            flush=True,
+        )
+        if not a.skip_tcp_check:
+            mbit = topo.tcp_rate_check(0, 1) / 1e6
+            a._tcp_check_mbit = round(mbit, 2)
+            print(f"raw TCP {topo.ns(1)} -> {topo.ns(0)}: {mbit:.1f} Mbit/s (cap {rate / 1e6:g})", flush=True)
+        for r, v in plan:
+            if r != topo.rate_bps:
+                topo.shape(r)
+                if not a.skip_tcp_check:
+                    a._tcp_check_mbit = round(topo.tcp_rate_check(0, 1) / 1e6, 2)
+            try:
+                entries.append(run_one(a, v, topo, out, data, command))
+            except HarnessError as e:
+                print(f"run {v.label} @ {r / 1e6:g} Mbit/s failed: {e}", file=sys.stderr, flush=True)
+                status = 1
+    except KeyboardInterrupt:
+        print("interrupted; tearing down", file=sys.stderr, flush=True)
+        status = 130
+    finally:
+        topo.teardown()
+        signal.signal(signal.SIGINT, old_int)
+        signal.signal(signal.SIGTERM, old_term)
+        left = [n for n in leftover_namespaces() if n.startswith(topo.bridge_ns[:-3])]
+        if left:
+            print(f"warning: namespaces left behind: {left}", file=sys.stderr)
+    if entries and a.results:
+        append_results(entries, Path(a.results))
+    if entries:
+        print_table(entries)
+    if a.compare and entries:
+        base = [e for e in entries if e["label"] == "dense" and e["rate_mbit"] == rate / 1e6]
+        for e in entries:
+            if base and e["rate_mbit"] == rate / 1e6 and e["label"] != "dense" and base[0]["tokens_per_s"]:
+                print(
+                    f"{e['label']} / dense tokens/s at {rate / 1e6:g} Mbit/s: "
+                    f"{e['tokens_per_s'] / base[0]['tokens_per_s']:.1f}x",
+                    flush=True,
+                )
+    if a.plot and entries:
+        from bench.harness_plots import plot_all
+
+        for path in plot_all(Path(a.results), RESULTS):
+            print(f"plot: {path}")
+    return status
+
+
+def print_table(entries: list[dict]) -> None:
+    print(
+        f"{'variant':<13}{'Mbit/s':>7}{'tok/s':>10}{'ceiling':>10}{'B/token':>10}{'link util':>10}"
+        f"{'wire util':>10}{'dropped':>8}"
+    )
+    for e in entries:
+        print(
+            f"{e['label']:<13}{e['rate_mbit']:>7g}{e['tokens_per_s']:>10.0f}"
+            f"{e['ceiling_tokens_per_s'] or 0:>10.0f}{e['bytes_per_token'] or 0:>10.1f}"
+            f"{e['link_utilisation'] or 0:>10.0%}{e['wire_utilisation'] or 0:>10.0%}"
+            f"{e['dropped_microbatches']:>8}"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

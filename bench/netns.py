@@ -1,0 +1,306 @@
+"""Network namespaces joined by a bridge, every node's link shaped with tc tbf (both veth ends).
+
+Layout (all of it private to one harness process, named with its pid):
+
+    ns <prefix>-br:  bridge br0, and for each node i the port v<tag>b<i>  (tbf: node i's download)
+    ns <prefix>-n<i>: eth0 = 10.<net>.0.<10+i>/24                        (tbf: node i's upload)
+
+Nothing is created in the root namespace and the host's loopback is never touched; each
+node namespace brings up its *own* loopback (p2pd's control sockets are unix sockets).
+``teardown`` ends every process still inside the namespaces (they can only be ours), then
+deletes the namespaces, which destroys the veths and the bridge with them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+NET_PREFIX = "vnh"  # every namespace this module creates starts with it
+
+
+class NetnsUnavailable(RuntimeError):
+    """No root, no `ip`/`tc`, or the kernel refuses namespaces/veth/tbf: one line says which."""
+
+
+def _run(cmd: list[str], check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {(p.stderr or p.stdout).strip()[:300]}")
+    return p
+
+
+def parse_rate(rate: str) -> float:
+    """'80mbit' / '400Mbit' / '10000kbit' / '1gbit' / plain bits per second -> bits per second."""
+    s = rate.strip().lower()
+    for unit, mult in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)):
+        if s.endswith(unit):
+            return float(s[: -len(unit)]) * mult
+    return float(s)
+
+
+def tc_rate(bits_per_s: float) -> str:
+    return f"{int(round(bits_per_s / 1000))}kbit"
+
+
+def tbf_burst_bytes(bits_per_s: float) -> int:
+    """64 KiB at 80 Mbit/s (ENVIRONMENT.md: 76-77 Mbit/s of raw TCP); ~6.5 ms of traffic above."""
+    return max(64 * 1024, int(bits_per_s / 8 * 0.0065))
+
+
+def check_support() -> None:
+    """Raise NetnsUnavailable with a one-line reason unless namespaces and tbf can be used here."""
+    if sys.platform != "linux":
+        raise NetnsUnavailable(f"network namespaces need Linux (this is {sys.platform})")
+    if os.geteuid() != 0:
+        raise NetnsUnavailable("network namespaces and tc need root (run as root, e.g. with sudo)")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise NetnsUnavailable(f"`{tool}` (iproute2) is not installed")
+    name = f"{NET_PREFIX}{os.getpid()}-probe"
+    try:
+        p = _run(["ip", "netns", "add", name], check=False)
+        if p.returncode != 0:
+            raise NetnsUnavailable(f"cannot create a network namespace: {p.stderr.strip()[:200]}")
+        p = _run(["ip", "-n", name, "link", "add", "p0", "type", "veth", "peer", "name", "p1"], check=False)
+        if p.returncode != 0:
+            raise NetnsUnavailable(f"cannot create a veth pair: {p.stderr.strip()[:200]}")
+        p = _run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                name,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                "p0",
+                "root",
+                "tbf",
+                "rate",
+                "1mbit",
+                "burst",
+                "32kb",
+                "latency",
+                "50ms",
+            ],
+            check=False,
+        )
+        if p.returncode != 0:
+            raise NetnsUnavailable(f"the tbf qdisc is unavailable: {p.stderr.strip()[:200]}")
+    finally:
+        _run(["ip", "netns", "del", name], check=False)
+
+
+@dataclass
+class Topology:
+    n: int
+    rate_bps: float
+    latency_ms: int = 50
+    tag: str = field(default_factory=lambda: str(os.getpid() % 100000))
+    net: int = field(default_factory=lambda: 100 + os.getpid() % 100)
+    created: list[str] = field(default_factory=list)
+
+    @property
+    def bridge_ns(self) -> str:
+        return f"{NET_PREFIX}{self.tag}-br"
+
+    def ns(self, i: int) -> str:
+        return f"{NET_PREFIX}{self.tag}-n{i}"
+
+    def addr(self, i: int) -> str:
+        return f"10.{self.net}.0.{10 + i}"
+
+    def port_dev(self, i: int) -> str:
+        return f"v{self.tag}b{i}"  # bridge-side end, <= 15 chars
+
+    def exec_prefix(self, i: int) -> list[str]:
+        return ["ip", "netns", "exec", self.ns(i)]
+
+    # ------------------------------------------------------------------ build / shape / remove
+    def build(self) -> None:
+        br = self.bridge_ns
+        _run(["ip", "netns", "add", br])
+        self.created.append(br)
+        _run(["ip", "-n", br, "link", "add", "br0", "type", "bridge"])
+        _run(["ip", "-n", br, "link", "set", "br0", "up"])
+        for i in range(self.n):
+            ns = self.ns(i)
+            _run(["ip", "netns", "add", ns])
+            self.created.append(ns)
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])  # the namespace's own loopback
+            # both ends are born inside our namespaces: nothing appears in the root namespace
+            _run(
+                [
+                    "ip",
+                    "-n",
+                    br,
+                    "link",
+                    "add",
+                    self.port_dev(i),
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    "eth0",
+                    "netns",
+                    ns,
+                ]
+            )
+            _run(["ip", "-n", br, "link", "set", self.port_dev(i), "master", "br0"])
+            _run(["ip", "-n", br, "link", "set", self.port_dev(i), "up"])
+            _run(["ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0"])
+            _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+        self.shape(self.rate_bps, replace=False)
+
+    def shape(self, rate_bps: float, replace: bool = True) -> None:
+        """tbf at ``rate_bps`` on both ends of every node's veth (upload and download)."""
+        self.rate_bps = rate_bps
+        verb = "replace" if replace else "add"
+        tbf = [
+            "tbf",
+            "rate",
+            tc_rate(rate_bps),
+            "burst",
+            str(tbf_burst_bytes(rate_bps)),
+            "latency",
+            f"{self.latency_ms}ms",
+        ]
+        for i in range(self.n):
+            _run(["ip", "netns", "exec", self.ns(i), "tc", "qdisc", verb, "dev", "eth0", "root", *tbf])
+            _run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    self.bridge_ns,
+                    "tc",
+                    "qdisc",
+                    verb,
+                    "dev",
+                    self.port_dev(i),
+                    "root",
+                    *tbf,
+                ]
+            )
+
+    def kill_all_processes(self, grace_s: float = 5.0) -> int:
+        """SIGTERM, then SIGKILL, every process inside our node namespaces (all started by us)."""
+
+        def pids() -> set[int]:
+            return self.pids() - {os.getpid()}
+
+        found = pids()
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in found:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + grace_s
+            while found and time.monotonic() < deadline:
+                time.sleep(0.2)
+                found = pids()
+            if not found:
+                break
+        return len(found)
+
+    def pids(self) -> set[int]:
+        out: set[int] = set()
+        for ns in self.created:
+            p = _run(["ip", "netns", "pids", ns], check=False)
+            out |= {int(x) for x in p.stdout.split() if x.strip().isdigit()}
+        return out
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """User + system CPU seconds of the processes now inside our namespaces, by command name."""
+        tick = os.sysconf("SC_CLK_TCK")
+        out: dict[str, float] = {}
+        for pid in self.pids():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    head, rest = f.read().rsplit(")", 1)
+                fields = rest.split()
+                comm = head.split("(", 1)[1]
+                out[comm] = out.get(comm, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+            except (OSError, IndexError, ValueError):
+                continue
+        return out
+
+    def teardown(self) -> None:
+        self.kill_all_processes()
+        for ns in reversed(self.created):
+            _run(["ip", "netns", "del", ns], check=False)
+        self.created.clear()
+
+    # ------------------------------------------------------------------ measure
+    def counters(self) -> dict[int, dict[str, int]]:
+        """Bytes each node sent (``up``) and received (``down``), from its bridge port's counters."""
+        p = _run(["ip", "-n", self.bridge_ns, "-s", "-j", "link", "show"], check=False)
+        out: dict[int, dict[str, int]] = {}
+        try:
+            links = json.loads(p.stdout or "[]")
+        except json.JSONDecodeError:
+            return out
+        names = {self.port_dev(i): i for i in range(self.n)}
+        for lk in links:
+            i = names.get(lk.get("ifname"))
+            if i is None:
+                continue
+            st = lk.get("stats64", {})
+            # the bridge port receives what the node uploads and transmits what it downloads
+            out[i] = {
+                "up": int(st.get("rx", {}).get("bytes", 0)),
+                "down": int(st.get("tx", {}).get("bytes", 0)),
+            }
+        return out
+
+    def tcp_rate_check(self, a: int = 0, b: int = 1, seconds: float = 3.0, port: int = 5299) -> float:
+        """Raw TCP goodput (bits/s) from node b's namespace to node a's, through both tbf's."""
+        recv = (
+            "import socket,time\n"
+            f"s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);s.bind(('{self.addr(a)}',{port}))\n"
+            "s.listen(1);c,_=s.accept();n=0;t0=None\n"
+            "while True:\n"
+            "  d=c.recv(1<<20)\n"
+            "  if not d: break\n"
+            "  if t0 is None: t0=time.perf_counter()\n"
+            "  else: n+=len(d)\n"
+            "print(n*8/max(time.perf_counter()-t0,1e-9))\n"
+        )
+        send = (
+            "import socket,time\n"
+            f"s=socket.create_connection(('{self.addr(a)}',{port}));b=b'x'*(1<<16);end=time.perf_counter()+{seconds}\n"
+            "while time.perf_counter()<end: s.sendall(b)\n"
+            "s.close()\n"
+        )
+        rp = subprocess.Popen(
+            self.exec_prefix(a) + [sys.executable, "-c", recv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            time.sleep(0.5)
+            _run(self.exec_prefix(b) + [sys.executable, "-c", send], timeout=seconds + 30)
+            out, err = rp.communicate(timeout=seconds + 30)
+        finally:
+            if rp.poll() is None:
+                rp.kill()
+                rp.wait()
+        if rp.returncode != 0:
+            raise RuntimeError(f"tcp rate check failed: {err.strip()[:200]}")
+        return float(out.strip().splitlines()[-1])
+
+
+def leftover_namespaces() -> list[str]:
+    """Namespaces named like ours (for the tests: the harness must leave none behind)."""
+    p = _run(["ip", "netns", "list"], check=False)
+    return [line.split()[0] for line in p.stdout.splitlines() if line.startswith(NET_PREFIX)]
