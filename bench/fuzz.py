@@ -70,6 +70,7 @@ KNOWN_BUGS: dict[str, re.Pattern] = {
 
 def make_runtime(hop_timeout: float = 2.0):
     """A tail-stage StageRuntime of ``tiny:2`` split [[0, 1], [1, 2]], without networking."""
+    from node.bans import BanList
     from node.config import NodeConfig
     from node.model import load_model
     from node.runtime import StageRuntime
@@ -89,7 +90,11 @@ def make_runtime(hop_timeout: float = 2.0):
         codec={"codec": "dense", "wire_dtype": "bfloat16"},
     )
     cfg = NodeConfig(run_id=RUN_ID, hop_timeout=hop_timeout, max_inflight=4)
-    return StageRuntime(cfg, run, 1, stage, None, "QmTest")
+    rt = StageRuntime(cfg, run, 1, stage, None, "QmTest")
+    # one fuzzing peer sends every case: banning it would hide the replies under test
+    # (bans have their own tests in tests/test_bans.py and tests/test_fuzz_handlers.py)
+    rt.bans = BanList(threshold=10**9)
+    return rt
 
 
 class FakeWriter:
@@ -339,7 +344,7 @@ def _defects() -> dict[str, tuple]:
             lambda r: (lambda b: prefixed(pack(_with(b, t={"labels": b["t"]["labels"]}))))(V(r)),
             {"error:malformed"},
         ),
-        # ---- defects the runtime does not reject today (known bugs, see KNOWN_BUGS / the report)
+        # ---- defects the first fuzz run found unrejected (fixed; see bench/results/fuzz.md)
         "labels_out_of_range": (
             lambda r: prefixed(
                 pack(
@@ -349,23 +354,23 @@ def _defects() -> dict[str, tuple]:
                     )
                 )
             ),
-            {"error:shape", "error:malformed", "no_reply:labels_out_of_range"},
+            {"error:range"},
         ),
         "zero_seq": (
             lambda r: prefixed(pack(_resized(r, 1, 1) | {"shape": [1, 0, HIDDEN], "t": _zero_t(1, 0)})),
-            {"error:shape", "no_reply:empty_dimension", "error:busy"},
+            {"error:shape"},
         ),
         "zero_batch": (
             lambda r: prefixed(pack(_resized(r, 1, 1) | {"shape": [0, 4, HIDDEN], "t": _zero_t(0, 4)})),
-            {"error:shape", "no_reply:empty_dimension", "error:busy"},
+            {"error:shape"},
         ),
         "huge_finite_values": (
             lambda r: prefixed(pack(_big_h(V(r, batch=2, seq=8), r))),
-            {"error:non_finite", "error:shape", "error:dtype", "backward"},  # today: poisoned grads
+            {"error:range", "error:dtype"},  # dtype when the huge values come as fp32 on a bf16 run
         ),
         "integer_activations": (
             lambda r: prefixed(pack(_int_h(V(r, batch=2, seq=8), r))),
-            {"error:dtype", "backward"},  # today: accepted
+            {"error:dtype"},
         ),
     }
     return D

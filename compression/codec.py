@@ -65,6 +65,10 @@ class LinkCodec(ABC):
         """Settings that both ends must agree on (published in the run record)."""
         return {"codec": self.codec_id}
 
+    def payload_dtypes(self) -> dict[str, torch.dtype]:
+        """The dtype each payload tensor must have; a receiver refuses others (empty: unchecked)."""
+        return {}
+
 
 class DenseCodec(LinkCodec):
     """Uncompressed link: the activations themselves, cast to the wire dtype."""
@@ -94,6 +98,9 @@ class DenseCodec(LinkCodec):
 
     def describe(self) -> dict:
         return {"codec": self.codec_id, "wire_dtype": self.wire_dtype}
+
+    def payload_dtypes(self) -> dict[str, torch.dtype]:
+        return {"h": self._dtype, "g": self._dtype}
 
 
 class _Link(torch.autograd.Function):

@@ -89,6 +89,9 @@ class MaskCodec(LinkCodec):
             "rescale": self.rescale,
         }
 
+    def payload_dtypes(self) -> dict[str, torch.dtype]:
+        return {"v": self._dtype, "g": self._dtype}
+
 
 def is_dense_step(step: int, every: int) -> bool:
     """Baseline "a dense (unmasked) step every ``every``-th step"; every <= 0 means never.

@@ -21,7 +21,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from compression.spectral import is_target_matrix
-from node.transport import close_quietly, read_message, write_message
+from node.transport import close_quietly
 from protocol.frames import MAX_FRAME_BYTES, MAX_TENSORS, Frame, FrameError, decode_frame, encode_frame
 
 log = logging.getLogger("node")
@@ -49,19 +49,16 @@ def chunks(items: list, n: int) -> list[list]:
     return [items[i : i + n] for i in range(0, len(items), n)]
 
 
-async def _request(
-    p2p, peer: str, handler: str, frame: Frame, timeout: float, run_id: str
-) -> tuple[list[Frame], int]:
+async def _request(rt, peer: str, handler: str, frame: Frame, timeout: float) -> tuple[list[Frame], int]:
     """Send one frame, read reply frames until one is marked last; returns them and the bytes sent."""
     _, reader, writer = await asyncio.wait_for(
-        p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler), timeout
+        rt.p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler), timeout
     )
     out = []
-    data = encode_frame(frame)
     try:
-        await write_message(writer, data, timeout)
+        sent = await rt.wire.send(writer, encode_frame(frame), timeout)
         while True:
-            reply = decode_frame(await read_message(reader, MAX_FRAME_BYTES, timeout), run_id=run_id)
+            reply = decode_frame(await rt.wire.recv(reader, MAX_FRAME_BYTES, timeout), run_id=rt.run.run_id)
             if reply.kind == "error":
                 raise FrameError(str(reply.meta.get("message", "error")))
             out.append(reply)
@@ -69,7 +66,7 @@ async def _request(
                 break
     finally:
         close_quietly(writer)
-    return out, len(data)
+    return out, sent
 
 
 class WeightServer:
@@ -82,7 +79,7 @@ class WeightServer:
     async def handle(self, stream_info, reader, writer) -> None:
         rt = self.rt
         try:
-            req = decode_frame(await read_message(reader, 4096, rt.cfg.hop_timeout), run_id=rt.run.run_id)
+            req = decode_frame(await rt.wire.recv(reader, 4096, rt.cfg.hop_timeout), run_id=rt.run.run_id)
             if req.kind != "weights":
                 raise FrameError("expected a weights request")
             step, named = await rt.compute(self._snapshot)
@@ -98,7 +95,7 @@ class WeightServer:
                     )
                 )
                 self.bytes_served += len(data)
-                await write_message(writer, data, rt.cfg.hop_timeout)
+                await rt.wire.send(writer, data, rt.cfg.hop_timeout)
         except Exception as e:
             log.debug("weights stream ended: %s", e)
         finally:
@@ -122,7 +119,7 @@ class PacketSink:
         rt = self.rt
         try:
             frame = decode_frame(
-                await read_message(reader, MAX_FRAME_BYTES, rt.cfg.hop_timeout), run_id=rt.run.run_id
+                await rt.wire.recv(reader, MAX_FRAME_BYTES, rt.cfg.hop_timeout), run_id=rt.run.run_id
             )
             if frame.kind != "anchor":
                 raise FrameError("expected an anchor packet")
@@ -147,7 +144,7 @@ class PacketSink:
             self.received += accepted
             self.dropped_stale += len(pairs) - accepted
             ack = Frame(kind="anchor", run_id=rt.run.run_id, meta={"last": 1, "accepted": accepted})
-            await write_message(writer, encode_frame(ack), rt.cfg.hop_timeout)
+            await rt.wire.send(writer, encode_frame(ack), rt.cfg.hop_timeout)
         except Exception as e:
             log.info("anchor packet refused: %s", e)
         finally:
@@ -178,9 +175,7 @@ async def pull_weights(rt) -> tuple[int, int] | None:
     for peer, _ in peers:
         try:
             request = Frame(kind="weights", run_id=rt.run.run_id)
-            frames, _ = await _request(
-                rt.p2p, peer, WEIGHTS_HANDLER, request, rt.cfg.hop_timeout * 4, rt.run.run_id
-            )
+            frames, _ = await _request(rt, peer, WEIGHTS_HANDLER, request, rt.cfg.hop_timeout * 4)
             named = {k: v for f in frames for k, v in f.tensors.items()}
             own = dict(rt.stage.named_parameters())
             if set(named) != set(own) or any(named[k].shape != own[k].shape for k in own):
@@ -265,9 +260,7 @@ class AnchorClient:
                     meta={"names": pk["names"]},
                 )
                 try:
-                    _, sent = await _request(
-                        rt.p2p, peer, ANCHOR_HANDLER, frame, rt.cfg.hop_timeout, rt.run.run_id
-                    )
+                    _, sent = await _request(rt, peer, ANCHOR_HANDLER, frame, rt.cfg.hop_timeout)
                     self.packet_bytes += sent
                 except (FrameError, asyncio.TimeoutError, OSError, ConnectionError) as e:
                     log.info("anchor packet to %s failed: %s", peer[:12], e)

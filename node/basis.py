@@ -23,7 +23,8 @@ from hivemind.p2p import PeerID
 from compression.codec import Payload
 from compression.pca import fit_basis
 from node.membership import dht_call
-from node.transport import close_quietly, read_message, write_message
+from node.transport import close_quietly
+from node.wire import Wire
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame, error_frame
 from protocol.records import RecordError, basis_key
 
@@ -74,6 +75,7 @@ class BasisStore:
 
     def __init__(self, run_id: str, dht, peer_id: str, timeout: float):
         self.run_id, self.dht, self.peer_id, self.timeout = run_id, dht, peer_id, timeout
+        self.wire = Wire()  # the node's, with its swarm key, is set before serving
         self.held: dict[tuple[int, int], Payload] = {}
         self.p2p = None
         self.bytes_served = 0
@@ -105,7 +107,7 @@ class BasisStore:
     async def handle(self, stream_info, reader, writer) -> None:
         try:
             try:
-                req = decode_frame(await read_message(reader, 4096, self.timeout), run_id=self.run_id)
+                req = decode_frame(await self.wire.recv(reader, 4096, self.timeout), run_id=self.run_id)
                 payload = self.held.get((req.boundary, req.basis_version))
                 if req.kind != "basis" or payload is None:
                     raise FrameError(f"no basis {req.boundary}:{req.basis_version} here")
@@ -121,7 +123,7 @@ class BasisStore:
             data = encode_frame(reply)
             if reply.kind == "basis":
                 self.bytes_served += len(data)
-            await write_message(writer, data, self.timeout)
+            await self.wire.send(writer, data, self.timeout)
         except Exception as e:  # the requester went away
             log.debug("basis stream ended: %s", e)
         finally:
@@ -180,8 +182,8 @@ class BasisStore:
                 )
                 try:
                     req = Frame(kind="basis", run_id=self.run_id, boundary=boundary, basis_version=version)
-                    await write_message(writer, encode_frame(req), self.timeout)
-                    data = await read_message(reader, MAX_FRAME_BYTES, self.timeout)
+                    await self.wire.send(writer, encode_frame(req), self.timeout)
+                    data = await self.wire.recv(reader, MAX_FRAME_BYTES, self.timeout)
                 finally:
                     close_quietly(writer)
                 reply = decode_frame(data, run_id=self.run_id)

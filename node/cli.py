@@ -292,6 +292,12 @@ def add_network_args(p: argparse.ArgumentParser) -> None:
         help="private key file for a stable peer id (made 0600 if missing; default: STATE_DIR/identity.key)",
     )
     g.add_argument(
+        "--swarm-key",
+        default=None,
+        help="file holding the swarm's shared secret (chmod 600; make one with `python -m node "
+        "keygen FILE`): only nodes with the key get frames accepted",
+    )
+    g.add_argument(
         "--client-mode",
         action="store_true",
         help="do not accept incoming DHT connections (behind NAT with no forwarded port)",
@@ -380,6 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default=_CFG_DEFAULTS["device"], choices=["auto", "cuda", "cpu"])
     s.add_argument("--max-inflight", type=int, default=_CFG_DEFAULTS["max_inflight"])
     s.add_argument("--hop-timeout", type=float, default=_CFG_DEFAULTS["hop_timeout"])
+    s.add_argument("--swarm-key", default=None, help="swarm key file given to every node")
 
     st = sub.add_parser("status", help="print a swarm's run, stages and peers from the DHT")
     st.add_argument("--peers", nargs="+", required=True, help="multiaddr(s) of any peer in the swarm")
@@ -393,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--state-dir", default=None)
 
     sub.add_parser("prepare-model", help="convert the bundled SmolLM2-135M into the local cache (once)")
+
+    k = sub.add_parser("keygen", help="create a swarm key file (32 random bytes, mode 0600)")
+    k.add_argument("path", help="where to write the key")
     return p
 
 
@@ -422,6 +432,12 @@ def main(argv: list[str] | None = None) -> int:
             from node.health import run_health
 
             return run_health(args.state_dir)
+        if args.cmd == "keygen":
+            from protocol.auth import key_id, make_swarm_key
+
+            key = make_swarm_key(args.path)
+            print(f"swarm key {key_id(key)} written to {args.path}; give it to every node as --swarm-key")
+            return 0
         if args.cmd == "prepare-model":
             from node.model import prepare_bundled
 

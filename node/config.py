@@ -23,6 +23,7 @@ class NodeConfig:
     port: int = 0
     announce_maddrs: list[str] = field(default_factory=list)
     identity: str | None = None
+    swarm_key: str | None = None  # file with the shared secret; frames without its tag are refused
     client_mode: bool = False
     use_relay: bool = True
     use_auto_relay: bool = False

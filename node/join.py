@@ -34,6 +34,8 @@ from node.model import content_hash, load_model
 from node.routing import choose_stage
 from node.runtime import StageRuntime
 from node.stages import build_stage, default_stage_ranges
+from node.wire import Wire
+from protocol.auth import key_id, load_swarm_key
 from protocol.records import RunRecord, StageRecord
 
 log = logging.getLogger("node")
@@ -178,6 +180,7 @@ def run_join(cfg: NodeConfig) -> int:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = pick_device(cfg.device)
+    key = load_swarm_key(cfg.swarm_key) if cfg.swarm_key else None  # fails in one line before anything starts
     sockdir = socket_dir(cfg.run_id)
     dht = outer = None
     try:
@@ -198,9 +201,17 @@ def run_join(cfg: NodeConfig) -> int:
         run_is_new = run is None
         if run is None:
             run = new_run_record(cfg, model, name, model_hash)
+            run.key_id = key_id(key) if key else ""
             publish_run_record(dht, run)
             print(f"started swarm {run.run_id!r}: {name}, {len(run.stages)} stages {run.stages}", flush=True)
             print(f"others join with:\n  {join_command(peer_id, maddrs, run.run_id)}", flush=True)
+        elif run.key_id and (key is None or key_id(key) != run.key_id):
+            raise JoinError(
+                "this swarm only accepts nodes holding its swarm key: pass --swarm-key FILE "
+                "(the key file from the swarm's operator)"
+                if key is None
+                else "--swarm-key is not this swarm's key (fingerprints differ); ask its operator"
+            )
         elif model_hash != run.model_hash:
             raise JoinError(
                 f"this node's model ({name}, hash {model_hash[:12]}) differs from the run's "
@@ -250,6 +261,7 @@ def run_join(cfg: NodeConfig) -> int:
             )
         runtime = StageRuntime(cfg, run, index, stage, dht, peer_id, data, device, outer=outer)
         runtime.maddrs = maddrs
+        runtime.wire = Wire(key)
         runtime.bases = bases
 
         async def main():

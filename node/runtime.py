@@ -37,20 +37,25 @@ from node.anchors import (
     fast_peers_of_stage,
     pull_weights,
 )
+from node.bans import BanList
 from node.basis import BasisUnavailable
 from node.config import NodeConfig
 from node.health import write_health
 from node.links import Link
 from node.membership import read_stage_records, store_stage_record
 from node.routing import choose_peer
-from node.stages import Stage
-from node.transport import close_quietly, read_message, write_message
+from node.stages import IGNORE_INDEX, Stage
+from node.transport import close_quietly
+from node.wire import Unauthorized, Wire
 from protocol.frames import (
     MAX_FRAME_BYTES,
+    BadDtype,
     Frame,
     FrameError,
     MalformedFrame,
+    OutOfRange,
     ShapeMismatch,
+    check_magnitude,
     decode_frame,
     encode_frame,
     error_frame,
@@ -224,6 +229,8 @@ class StageRuntime:
         self.stop = asyncio.Event()
         self.p2p = None
         self.maddrs: list[str] = []
+        self.wire = Wire()  # signs and verifies with the swarm key, when the run has one
+        self.bans = BanList()
         self.bases = None  # node.basis.BasisStore when the run's codec needs a basis
         self.outer = outer  # node.diloco.OuterSync when the run averages replicas
         params = [p for p in stage.parameters() if p.requires_grad]
@@ -260,6 +267,8 @@ class StageRuntime:
             leaf = self._to_device(x).requires_grad_(not self.is_head)
             with self._amp():
                 loss, n = self.stage.loss(leaf, self._to_device(labels).long())
+            if not bool(torch.isfinite(loss)):  # never let one microbatch poison the step's gradients
+                raise OutOfRange("the loss of this microbatch is not finite")
             loss.backward()
         return float(loss.detach()), n, (leaf.grad if not self.is_head else None)
 
@@ -373,8 +382,8 @@ class StageRuntime:
         except Exception as e:
             raise HopFailed(f"cannot open a stream to {peer[:12]}: {type(e).__name__}") from None
         try:
-            await write_message(writer, data, timeout)
-            reply = await read_message(reader, MAX_FRAME_BYTES, timeout)
+            await self.wire.send(writer, data, timeout)
+            reply = await self.wire.recv(reader, MAX_FRAME_BYTES, timeout)
         except (asyncio.TimeoutError, ConnectionError, OSError, FrameError) as e:
             raise HopFailed(f"{peer[:12]} did not answer: {type(e).__name__} {e}") from None
         finally:
@@ -406,7 +415,7 @@ class StageRuntime:
             if peer is None:
                 raise HopFailed(f"no live peer serves stage {nxt}", retry=False)
             tried.add(peer)
-            self.metrics.count_frame(self.index, "forward", len(data), tokens)
+            self.metrics.count_frame(self.index, "forward", len(data) + self.wire.overhead, tokens)
             try:
                 reply = await self._call_peer(peer, data, self.index)
             except HopFailed as e:
@@ -446,15 +455,23 @@ class StageRuntime:
 
     # ---------------------------------------------------------------- network: serving
     async def handle_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        peer = str(stream_info.peer_id)
+        sealed = True
         try:
+            if self.bans.is_banned(peer):  # costs a banned peer's frames nothing but a closed stream
+                return
             try:
-                data = await read_message(reader, MAX_FRAME_BYTES, self.cfg.hop_timeout)
+                data = await self.wire.recv(reader, MAX_FRAME_BYTES, self.cfg.hop_timeout)
                 frame = decode_frame(data, run_id=self.run.run_id)
                 reply = await self.serve_forward(frame)
+                self.bans.record_good(peer)
             except FrameError as e:
                 self.metrics.rejected_frames += 1
-                log.info("rejected a frame from %s: %s", str(stream_info.peer_id)[:12], e)
+                if self.bans.record_bad(peer):
+                    log.warning("banning %s for repeated invalid frames (last: %s)", peer[:12], e)
+                log.info("rejected a frame from %s: %s", peer[:12], e)
                 reply = error_frame(self.run.run_id, e)
+                sealed = not isinstance(e, Unauthorized)  # a keyless sender must still read why
             except HopFailed as e:
                 reply = Frame(
                     kind="error", run_id=self.run.run_id, meta={"code": "downstream", "message": str(e)[:300]}
@@ -465,12 +482,18 @@ class StageRuntime:
                     run_id=self.run.run_id,
                     meta={"code": "busy", "message": f"{type(e).__name__}: {e}"[:300]},
                 )
-            out = encode_frame(reply)
+            except Exception as e:  # a bug of ours must still answer, never leave the sender waiting
+                log.warning("internal error serving %s: %s: %s", peer[:12], type(e).__name__, e)
+                reply = Frame(
+                    kind="error",
+                    run_id=self.run.run_id,
+                    meta={"code": "internal", "message": f"{type(e).__name__}: {e}"[:300]},
+                )
+            sent = await self.wire.send(writer, encode_frame(reply), self.cfg.hop_timeout, sealed=sealed)
             if reply.kind == "backward":
                 self.metrics.count_frame(
-                    self.index - 1, "backward", len(out), int(reply.meta.get("mb_tokens", 0))
+                    self.index - 1, "backward", sent, int(reply.meta.get("mb_tokens", 0))
                 )
-            await write_message(writer, out, self.cfg.hop_timeout)
         except Exception as e:  # the requester went away; nothing of ours is held any more
             log.debug("stream ended: %s", e)
         finally:
@@ -488,8 +511,18 @@ class StageRuntime:
         labels = frame.tensors.get("labels")
         if labels is None or list(labels.shape) != frame.shape[:2]:
             raise ShapeMismatch("labels missing or not (batch, tokens)")
-        if frame.shape[1] > self.run.seq_len or frame.shape[0] > self.run.microbatch:
-            raise ShapeMismatch(f"microbatch {frame.shape[:2]} exceeds the run's limits")
+        if not (1 <= frame.shape[0] <= self.run.microbatch and 1 <= frame.shape[1] <= self.run.seq_len):
+            raise ShapeMismatch(f"microbatch {frame.shape[:2]} is empty or exceeds the run's limits")
+        codec = self.link_in.by_id(frame.codec)
+        for name, want in codec.payload_dtypes().items():
+            t = frame.tensors.get(name)
+            if t is not None and t.dtype != want:
+                raise BadDtype(f"payload {name!r} is {t.dtype}, this run sends {want}")
+
+    def _check_labels(self, labels: torch.Tensor) -> None:
+        vocab = self.stage.config.vocab_size
+        if bool(((labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab))).any()):
+            raise OutOfRange(f"labels outside [0, {vocab})")
 
     async def _run_rest(
         self, x: torch.Tensor, labels: torch.Tensor, step: int, mb: int, path: list[str], tokens: int
@@ -510,7 +543,11 @@ class StageRuntime:
         bwd = await self.send_downstream(down, tokens)
         codec = self.link_out.by_id(down.codec)
         ctx = LinkContext(seed=down.seed, basis_version=down.basis_version)
-        grad_y = codec.decode_backward(bwd.tensors, ctx, tuple(y.shape))
+        try:
+            grad_y = codec.decode_backward(bwd.tensors, ctx, tuple(y.shape))
+            check_magnitude(grad_y, "gradient")
+        except (FrameError, KeyError, RuntimeError, ValueError) as e:
+            raise HopFailed(f"the next stage's gradient is unusable: {e}", retry=False) from None
         grad_x = await self.compute(self._backward, y, grad_y, leaf)
         return grad_x, {k: bwd.meta[k] for k in ("loss", "tokens") if k in bwd.meta}
 
@@ -524,7 +561,9 @@ class StageRuntime:
             x = codec.decode_forward({k: v for k, v in frame.tensors.items() if k != "labels"}, ctx, shape)
         except (KeyError, RuntimeError, ValueError) as e:
             raise MalformedFrame(f"payload does not decode with codec {frame.codec}: {e}") from None
+        check_magnitude(x, "activations")
         labels = unpack_labels(frame.tensors["labels"])
+        self._check_labels(labels)
         tokens = shape[0] * shape[1]
         await self.gate.enter(self.cfg.hop_timeout)
         try:
@@ -694,6 +733,7 @@ class StageRuntime:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop.set)
         if self.bases is not None:
+            self.bases.wire = self.wire
             await self.bases.start(p2p)
             await self._install_bases()
         if self.anchor is not None:

@@ -72,6 +72,8 @@ def node_command(
     cmd += run_arg_flags(args)
     if circuit != "fast":
         cmd += ["--circuit", circuit]
+    if args.swarm_key:
+        cmd += ["--swarm-key", args.swarm_key]
     if peers:
         cmd += ["--peers", *peers]
     return cmd

@@ -71,10 +71,20 @@ class MalformedFrame(FrameError):
     code = "malformed"
 
 
-ERROR_TYPES = {
-    cls.code: cls
-    for cls in (FrameTooLarge, UnknownVersion, WrongRun, BadDtype, ShapeMismatch, NonFinite, MalformedFrame)
-}
+class OutOfRange(FrameError):
+    """Finite values so large (or labels so far outside the vocabulary) that they would poison training."""
+
+    code = "range"
+
+
+# Activations and gradients beyond this are refused: their squares overflow fp32 in RMSNorm
+# and in the loss, so one hostile frame would make a whole step's gradients non-finite.
+MAX_ABS_VALUE = 1e6
+
+
+def check_magnitude(t: torch.Tensor, what: str, limit: float = MAX_ABS_VALUE) -> None:
+    if t.numel() and t.is_floating_point() and float(t.abs().max()) > limit:
+        raise OutOfRange(f"{what} holds values beyond ±{limit:g}")
 
 
 @dataclass
@@ -209,7 +219,7 @@ def decode_frame(
     _expect(isinstance(body, dict), "frame must be a map")
     version = body.get("v")
     _expect(
-        version == PROTOCOL_VERSION,
+        type(version) is int and version == PROTOCOL_VERSION,  # not 1.0, not True
         f"protocol version {version!r} is not {PROTOCOL_VERSION}; upgrade the older node",
         UnknownVersion,
     )

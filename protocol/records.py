@@ -82,6 +82,7 @@ class RunRecord:
     microbatch: int = 4
     batch_tokens: int = 1024  # tokens a node accumulates before its inner optimizer step
     protocol: int = PROTOCOL_VERSION
+    key_id: str = ""  # fingerprint of the swarm key frames must be signed with ("" = open swarm)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -119,6 +120,7 @@ class RunRecord:
                 "microbatch": int,
                 "batch_tokens": int,
                 "protocol": int,
+                "key_id": str,
             },
         )
         if rec.protocol != PROTOCOL_VERSION:
