@@ -334,14 +334,13 @@ def summarise(snaps: list[dict], a, v: Variant, topo: Topology, t_first: float) 
         egress[i] = (_egress_bytes(m1) - _egress_bytes(m0)) / dt
     dtw = max(s1["t"] - s0["t"], 1e-9)
     wire = {}
-    for i in range(a.nodes):
+    for i in sorted(s1["counters"]):  # every node of the run, anchors included
         c0, c1 = s0["counters"].get(i), s1["counters"].get(i)
-        if c0 and c1:
+        if c0 and c1 and i in s1["metrics"]:
             wire[i] = {d: (c1[d] - c0[d]) / dtw for d in ("up", "down")}
     busiest = max(egress, key=egress.get) if egress else None
-    wire_busiest = max(
-        ((i, d) for i in wire for d in ("up", "down")), key=lambda k: wire[k[0]][k[1]], default=None
-    )
+    fast_wire = [(i, d) for i in wire if i < a.nodes for d in ("up", "down")]  # the fast circuit's links
+    wire_busiest = max(fast_wire, key=lambda k: wire[k[0]][k[1]], default=None)
     return {
         "tokens_per_s": tok_rate,
         "window_tokens": tokens,
@@ -632,7 +631,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="dense,m95",
         help=f"variants for --compare, from {','.join(VARIANTS)} (default: %(default)s)",
     )
-    p.add_argument("--sweep", default="", help="also run dense and M95 at these rates in Mbit/s, e.g. 10,400")
+    p.add_argument(
+        "--sweep", default="", help="also run dense and M95 at these rates in Mbit/s (same other settings)"
+    )
     p.add_argument("--skip-tcp-check", action="store_true", help="skip the raw TCP rate check")
     p.add_argument("--out", default="runs/harness", help="run directories (node logs, report.json)")
     p.add_argument("--results", default=str(RESULTS / "harness.json"), help="append entries here")

@@ -77,3 +77,82 @@ def test_capped_smoke(tmp_path):
     assert len(tags) == 2, logs
     left = [n for n in leftover_namespaces() if any(n.startswith(t + "-") for t in tags)]
     assert not left, left
+
+
+# ------------------------------------------------------------------ pieces that need no namespaces
+def test_emulated_model_pipeline_shapes_hash_and_sleep():
+    import time
+
+    import torch
+
+    from node.emulated import DEFAULT_US, layer_us_per_token, parse_spec
+    from node.model import content_hash, load_model
+    from node.stages import build_stage, default_stage_ranges
+
+    assert abs(layer_us_per_token() - 5.6) < 0.05 and DEFAULT_US == 5.6
+    assert parse_spec("emulate") == (2048, 16, 5.6, 256)
+    assert parse_spec("emulate:512:4:10:128") == (512, 4, 10.0, 128)
+    with pytest.raises(ValueError):
+        parse_spec("emulate:64:2:1:128")  # vocab > hidden
+    m, tok, name = load_model("emulate:128:4:200:64", seed=3)
+    assert tok is None and "emulated" in name
+    assert content_hash(m) == content_hash(load_model("emulate:128:4:200:64", seed=3)[0])
+    assert content_hash(m) != content_hash(load_model("emulate:128:4:100:64", seed=3)[0])
+    ranges = default_stage_ranges(m, 2)
+    assert ranges == [[0, 2], [2, 4]]
+    head, tail = (build_stage(m, ranges, i, keep_model=True) for i in range(2))
+    ids = torch.randint(0, 63, (2, 16))
+    t0 = time.perf_counter()
+    with torch.enable_grad():
+        h = head(ids)
+        fwd_s = time.perf_counter() - t0
+        assert h.shape == (2, 16, 128) and h.dtype == torch.float32
+        leaf = h.detach().requires_grad_(True)
+        loss, n = tail.loss(leaf, ids)
+        assert n == 2 * 15 and torch.isfinite(loss)
+        loss.backward()
+        h.backward(leaf.grad)
+    # 2 layers x 32 tokens x 200 us / 3 in forward = 4.3 ms of sleep
+    assert fwd_s >= 2 * 32 * 200e-6 / 3 * 0.9
+    assert leaf.grad.shape == h.shape
+    assert head.embed_tokens.weight.grad is not None
+    assert all(p.grad is not None for p in tail.parameters())
+
+
+def test_text_data_fills_every_sequence(tmp_path):
+    from bench.harness import write_text_data
+    from node.data import ByteTokenizer, load_examples, microbatches
+
+    path = tmp_path / "data.txt"
+    write_text_data(path, seq_len=64, chars_per_token=1.0)
+    ids, labels = next(microbatches(load_examples(str(path)), ByteTokenizer(256), 4, 64, seed=0))
+    assert ids.shape == (4, 64) and (labels != -100).all()
+
+
+def test_ceilings_topology():
+    from bench.harness import build_parser, ceilings
+
+    a = build_parser().parse_args(["--nodes", "6", "--stages", "3"])
+    a.us_per_token_layer = 5.6
+    links = [
+        {"boundary": b, "direction": d, "bytes_per_token": 4098.0 if d == "forward" else 4096.0}
+        for b in (0, 1)
+        for d in ("forward", "backward")
+    ]
+    c = ceilings(a, links, 80e6, 2048)
+    assert round(c["ceiling_tokens_per_s"]) == round(1e7 / 4098)
+    # a body uploads forward + backward bytes per token; two bodies share the stage
+    assert abs(c["topology_ceiling_tokens_per_s"] - 2 * 1e7 / (4098 + 4096)) < 1
+    assert abs(c["compute_ceiling_tokens_per_s"] - 2 / (6 * 5.6e-6)) < 1
+
+
+def test_harness_refuses_in_one_line_without_support(monkeypatch, capsys):
+    import bench.harness as h
+
+    def nope():
+        raise h.NetnsUnavailable("network namespaces and tc need root (run as root, e.g. with sudo)")
+
+    monkeypatch.setattr(h, "check_support", nope)
+    assert h.main(["--codec", "dense"]) == h.EXIT_UNSUPPORTED
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "need root" in err[0]
