@@ -544,3 +544,15 @@ def read_latest_pointer(dirpath: str | os.PathLike) -> str | None:
     except OSError:
         return None
     return name if _parse_name(name) else None
+
+
+def checkpoint_dir(state_dir: str | os.PathLike, run_id: str, stage: int) -> str:
+    """Where a node keeps its checkpoints of one run and stage."""
+    return os.path.join(state_dir, "checkpoints", run_id, f"stage-{stage}")
+
+
+def newest_for_run(state_dir: str | os.PathLike, run_id: str) -> Checkpoint | None:
+    """This node's newest complete checkpoint of ``run_id``, whatever stage it served."""
+    root = Path(state_dir) / "checkpoints" / run_id
+    found = [ck for d in sorted(root.glob("stage-*")) if (ck := load_latest(d)) is not None]
+    return max(found, key=lambda ck: ck.path.stat().st_mtime, default=None)

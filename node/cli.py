@@ -236,6 +236,19 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
         "(default: $NODE_STATE_DIR or ~/.local/share/volunteer-node)",
     )
     g.add_argument("--metrics-file", default=None, help="write live metrics as JSON here")
+    g.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=d["checkpoint_every"],
+        help="inner steps between atomic checkpoints in STATE_DIR/checkpoints (one is also "
+        "written on SIGTERM/Ctrl-C); 0 = never (default: %(default)s)",
+    )
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from this node's newest complete checkpoint of the run (same stage, "
+        "weights, optimizer and filter state, step count)",
+    )
     g.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
     g.add_argument(
         "--wait-peers",

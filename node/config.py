@@ -76,5 +76,7 @@ class NodeConfig:
     max_steps: int = 0  # stop after this many inner steps (0 = run until stopped)
     state_dir: str = field(default_factory=default_state_dir)
     metrics_file: str | None = None
+    checkpoint_every: int = 50  # inner steps between checkpoints (and one at exit); 0 = never
+    resume: bool = False  # continue from this node's newest checkpoint of the run
     ready_file: str | None = None  # written once the stage is claimed (used by `swarm`)
     heartbeat_s: float = 2.0

@@ -15,6 +15,7 @@ import zlib
 import torch
 
 from node.basis import BASIS_VERSION, BasisStore, calibrate
+from node.checkpoint import newest_for_run
 from node.config import NodeConfig
 from node.data import ByteTokenizer, load_examples, microbatches
 from node.devices import GIB, describe_memory, pick_device, stage_memory_bytes
@@ -223,6 +224,17 @@ def run_join(cfg: NodeConfig) -> int:
             if run_is_new:  # the starter holds the whole pretrained model: calibrate every boundary
                 for b, payload in enumerate(calibrate_bases(cfg, run, model, tok)):
                     bases.add(b, payload)
+        resume_from = None
+        if cfg.resume:
+            resume_from = newest_for_run(cfg.state_dir, run.run_id)
+            if resume_from is None:
+                log.warning(
+                    "--resume: no complete checkpoint of run %s in %s; starting fresh",
+                    run.run_id,
+                    cfg.state_dir,
+                )
+            elif cfg.stage == "auto":
+                cfg.stage = str(resume_from.counters["stage"])  # back to the stage the checkpoint holds
         mem = stage_memory(cfg, run, model, device)
         index = claim_stage(cfg, dht, run, peer_id, stages_that_fit(cfg, mem))
         start, end = run.stages[index]
@@ -261,6 +273,9 @@ def run_join(cfg: NodeConfig) -> int:
             )
         runtime = StageRuntime(cfg, run, index, stage, dht, peer_id, data, device, outer=outer)
         runtime.maddrs = maddrs
+        if resume_from is not None:
+            runtime.restore(resume_from)
+            log.info("resumed from %s at inner step %d", resume_from.path, runtime.inner_step)
         runtime.wire = Wire(key)
         runtime.bases = bases
 

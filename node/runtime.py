@@ -39,6 +39,7 @@ from node.anchors import (
 )
 from node.bans import BanList
 from node.basis import BasisUnavailable
+from node.checkpoint import CheckpointError, checkpoint_dir, clone_state, save_checkpoint
 from node.config import NodeConfig
 from node.health import write_health
 from node.links import Link
@@ -161,6 +162,7 @@ class Metrics:
         self.state_pull_bytes = 0
         self.outer_rounds: list[dict] = []
         self.outer_alone = 0
+        self.checkpoints = 0
 
     def count_frame(self, boundary: int, direction: str, nbytes: int, tokens: int) -> None:
         c = self.links[(boundary, direction)]
@@ -230,8 +232,11 @@ class StageRuntime:
         self.p2p = None
         self.maddrs: list[str] = []
         self.wire = Wire()  # signs and verifies with the swarm key, when the run has one
+        self.resumed_from: int | None = None
         self.bans = BanList()
         self.bases = None  # node.basis.BasisStore when the run's codec needs a basis
+        self.ckpt_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._ckpt_pending = None
         self.outer = outer  # node.diloco.OuterSync when the run averages replicas
         params = [p for p in stage.parameters() if p.requires_grad]
         self.params = params
@@ -323,6 +328,9 @@ class StageRuntime:
         self._acc_tokens = self._acc_micro = 0
         self.inner_step += 1
         self.metrics.close_step()
+        every = self.cfg.checkpoint_every
+        if every and self.inner_step % every == 0 and self.anchor is None:
+            await self.checkpoint(wait=False)
         if self.cfg.max_steps and self.inner_step >= self.cfg.max_steps:
             self.stop.set()
 
@@ -352,6 +360,70 @@ class StageRuntime:
         self.metrics.outer_rounds.append(stats.as_dict())
         if stats.skipped:
             log.info("outer round %d skipped: %s", stats.round, stats.reason)
+
+    # ---------------------------------------------------------------- checkpoints
+    def checkpoint_dir(self) -> str:
+        return checkpoint_dir(self.cfg.state_dir, self.run.run_id, self.index)
+
+    def _snapshot(self) -> dict:
+        """A consistent copy of everything a resume needs (runs in the compute thread, between steps)."""
+        extra = {}
+        if self.filter is not None:
+            extra["filter"] = self.filter.state_dict()
+        if self.outer is not None:
+            extra["outer"] = self.outer.state_dict()
+        return clone_state(
+            {
+                "stage_state": self.stage.state_dict(),
+                "optimizer_state": self.opt.state_dict(),
+                "extra_states": extra,
+                "counters": {
+                    "inner_step": self.inner_step,
+                    "trained_tokens": self.metrics.trained_tokens,
+                    "run_id": self.run.run_id,
+                    "stage": self.index,
+                    "model_hash": self.run.model_hash,
+                },
+            }
+        )
+
+    async def checkpoint(self, wait: bool) -> None:
+        """Snapshot now, write in the background (or wait for it); skip if the last write still runs."""
+        if self._ckpt_pending is not None and not self._ckpt_pending.done():
+            if not wait:
+                return
+            await asyncio.wrap_future(self._ckpt_pending)
+        snap = await self.compute(self._snapshot)
+        self._ckpt_pending = self.ckpt_pool.submit(self._write_checkpoint, snap)
+        if wait:
+            await asyncio.wrap_future(self._ckpt_pending)
+
+    def _write_checkpoint(self, snap: dict) -> None:
+        try:
+            path = save_checkpoint(self.checkpoint_dir(), **snap)
+            self.metrics.checkpoints += 1
+            log.info("checkpoint %s", path)
+        except Exception as e:  # a full disk must not stop training; the previous checkpoint stays
+            log.warning("checkpoint failed: %s: %s", type(e).__name__, e)
+
+    def restore(self, ck) -> None:
+        """Load a checkpoint of this run and stage (before serving)."""
+        c = ck.counters
+        if (
+            c.get("run_id") != self.run.run_id
+            or c.get("stage") != self.index
+            or c.get("model_hash") != self.run.model_hash
+        ):
+            raise CheckpointError(f"checkpoint {ck.path} is of another run, stage or model")
+        self.stage.load_state_dict(ck.stage_state)
+        self.opt.load_state_dict(ck.optimizer_state)
+        if self.filter is not None and "filter" in ck.extra_states:
+            self.filter.load_state_dict(ck.extra_states["filter"])
+        if self.outer is not None and "outer" in ck.extra_states:
+            self.outer.load_state_dict(ck.extra_states["outer"])
+        self.inner_step = int(c["inner_step"])
+        self.metrics.trained_tokens = int(c.get("trained_tokens", 0))
+        self.resumed_from = int(c["inner_step"])
 
     def _record_throughput(self, tokens: int, seconds: float) -> None:
         if seconds > 0:
@@ -691,6 +763,8 @@ class StageRuntime:
             "outer_rounds": m.outer_rounds,
             "outer_alone": m.outer_alone,
             "state_dir": self.cfg.state_dir,
+            "checkpoints": m.checkpoints,
+            "resumed_from": self.resumed_from,
             "basis_bytes_served": self.bases.bytes_served if self.bases else 0,
             "throughput": self._throughput,
             "compute_s": m.compute_s,
@@ -774,6 +848,11 @@ class StageRuntime:
                 await asyncio.wait_for(t, timeout=self._hop_deadline(0) + 10)
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 t.cancel()
+        if self.cfg.checkpoint_every and self.anchor is None:
+            try:
+                await asyncio.wait_for(self.checkpoint(wait=True), 120)
+            except Exception as e:
+                log.warning("final checkpoint failed: %s", e)
         if self.outer is not None:  # the replicas' shared outer model, for the report's drift figure
             with contextlib.suppress(Exception):
                 await self.compute(self._save_theta)
@@ -784,6 +863,7 @@ class StageRuntime:
         except Exception:
             pass
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.ckpt_pool.shutdown(wait=True)
 
     async def _join_from_peers(self) -> None:
         """A node joining a stage that others already train starts from their current weights.
