@@ -473,8 +473,8 @@ def run(
                 a_out = anchor_pipe.answer_logits(a_ids, a_labels, make_links(anchor_links, seed, step))
                 a_loss = answer_loss(*a_out[:2])
                 a_loss.backward()
-                grads = {
-                    n: p.grad.detach().clone()
+                grads = {  # no copy: observe() folds each into its own fp32 EMA state
+                    n: p.grad.detach()
                     for n, p in anchor.named_parameters()
                     if p.grad is not None and is_target_matrix(n, p)
                 }
@@ -487,6 +487,8 @@ def run(
                 for n, g in grads.items():
                     filt.observe(n, g, source_step=snapshot_step, current_step=step)
                 filter_s += time.perf_counter() - tf
+                del grads
+                anchor.zero_grad(set_to_none=True)  # frees the anchor's gradients between packets
             tf = time.perf_counter()
             filter_gradients(filt, model.named_parameters())
             filter_s += time.perf_counter() - tf

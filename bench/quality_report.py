@@ -1,0 +1,219 @@
+"""Tables and plots from bench/results/links.json (written by ``bench.quality``).
+
+    python -m bench.quality_report --out bench/results
+
+Writes ``pareto.png`` (EM against bytes per token per boundary per direction, log x, one
+panel per task), ``loss_<task>.png`` (training loss through the codec and dense eval loss
+against step, seed 0) and ``quality_tables.md`` (one markdown table per task), and prints
+the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+# DESIGN.md §6/§7 reference run (outside the project: 100 steps, 200 problems, arithmetic).
+# Bytes: §7's cost is in bf16-equivalent values, i.e. 2 B each; dense every 5th step is
+# amortised as 0.8 * 58 + 0.2 * 1152. EM is the dense-eval figure where §7 gives both.
+REFERENCE = [
+    ("dense", 1152, 0.90),
+    ("M95", 58, 0.00),
+    ("M95+AP", 58, 0.00),
+    ("M95+dense5", 0.8 * 58 + 0.2 * 1152, 0.70),
+    ("PCA58 int8", 60, 0.72),
+    ("PCA29 bf16", 58, 0.33),
+    ("int4", 306, 0.855),
+    ("top-29", 94, 0.005),
+]
+
+ORDER = [
+    "untrained",
+    "dense",
+    "m95",
+    "m95r",
+    "m90",
+    "m95+ap",
+    "m95+ap5",
+    "m95+ap-taurel",
+    "m95+dense5",
+    "m95+dense10",
+    "pca58i8",
+    "pca96i8",
+    "pca29bf16",
+    "pca58i8+warmup10",
+    "pca58i8+cooldown4",
+    "int4",
+    "topk29",
+]
+
+
+def _fmt_seeds(vals: list[float], fmt: str) -> str:
+    if len(vals) == 1:
+        return format(vals[0], fmt)
+    return f"{format(statistics.mean(vals), fmt)} ({' / '.join(format(v, fmt) for v in vals)})"
+
+
+def tables(runs: list[dict]) -> str:
+    by_task: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for r in runs:
+        by_task[r["task"]][r["variant"]].append(r)
+    out = []
+    for task, variants in by_task.items():
+        steps = sorted({r["steps"] for vs in variants.values() for r in vs if r["steps"]})
+        n_eval = sorted({r["eval_problems"] for vs in variants.values() for r in vs})
+        out.append(
+            f"### Task `{task}` ({'/'.join(map(str, steps))} steps, {'/'.join(map(str, n_eval))} problems)\n"
+        )
+        out.append(
+            "| variant (codec+schedule) | seeds | payload B/token/boundary/dir | × fewer than dense | "
+            "basis: one-time (+B/token over this run) | EM (user gets: dense eval) | EM, codec on | "
+            "eval loss (dense) | eval loss, codec on | codec time | filter time | anchor B/token |"
+        )
+        out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        names = sorted(variants, key=lambda n: ORDER.index(n) if n in ORDER else len(ORDER))
+        for name in names:
+            rs = sorted(variants[name], key=lambda r: r["seed"])
+            r0 = rs[0]
+            basis = (
+                f"{r0['basis_bytes'] / 1e3:.0f} kB (+{r0['basis_bytes_per_token']:.1f})"
+                if r0["basis_bytes"]
+                else "–"
+            )
+            anchor = (
+                f"{r0['anchor_bytes_per_token'] / 1e3:.0f} k" if r0.get("anchor_bytes_per_token") else "–"
+            )
+            filt = f"{100 * r0['filter_time_frac']:.0f}%" if r0.get("filter_time_frac") else "–"
+            sched = "" if r0["schedule"] == "none" else f" + {r0['schedule']}"
+            desc = f"`{name}`: {r0['codec']} {_settings(r0)}{sched}"
+            out.append(
+                f"| {desc} | {','.join(str(r['seed']) for r in rs)} | {r0['payload_bytes_per_token']:.1f} | "
+                f"{r0['dense_bytes_per_token'] / r0['payload_bytes_per_token']:.1f}× | {basis} | "
+                f"{_fmt_seeds([r['em_dense_eval'] for r in rs], '.3f')} | "
+                f"{_fmt_seeds([r['em_codec_eval'] for r in rs], '.3f')} | "
+                f"{_fmt_seeds([r['eval_loss'] for r in rs], '.3f')} | "
+                f"{_fmt_seeds([r['eval_loss_codec'] for r in rs], '.3f')} | "
+                f"{100 * statistics.mean(r['codec_time_frac'] for r in rs):.1f}% | {filt} | {anchor} |"
+            )
+        out.append("")
+    return "\n".join(out)
+
+
+def _settings(r: dict) -> str:
+    s = {k: v for k, v in r["codec_settings"].items() if k not in ("codec", "basis_dtype", "scale_dtype")}
+    return " ".join(f"{k}={v}" for k, v in s.items())
+
+
+def plots(runs: list[dict], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    tasks = sorted({r["task"] for r in runs if r["steps"]})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(7 * len(tasks), 5.2), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        rs = [r for r in runs if r["task"] == task and r["steps"]]
+        groups: dict[str, list[dict]] = defaultdict(list)
+        for r in rs:
+            groups[r["variant"]].append(r)
+        for name, g in groups.items():
+            x = g[0]["payload_bytes_per_token"]
+            if g[0]["basis_bytes"]:  # the one-time basis, amortised over this short run's tokens
+                ax.plot(
+                    [x, g[0]["bytes_per_token"]],
+                    [statistics.mean(r["em_dense_eval"] for r in g)] * 2,
+                    color="0.4",
+                    lw=2,
+                    alpha=0.5,
+                    zorder=1,
+                )
+            em = statistics.mean(r["em_dense_eval"] for r in g)
+            emc = statistics.mean(r["em_codec_eval"] for r in g)
+            ref = name in ("dense", "m95", "m95+ap")
+            ax.scatter([x], [em], s=70 if ref else 40, marker="*" if ref else "o", zorder=3)
+            if name != "dense":
+                ax.scatter([x], [emc], s=30, facecolors="none", edgecolors="k", zorder=3)
+                ax.plot([x, x], [em, emc], color="0.7", lw=0.8, zorder=1)
+            ax.annotate(
+                f"{name} ({len(g)} seed{'s' if len(g) > 1 else ''})",
+                (x, em),
+                fontsize=7,
+                xytext=(4, 4),
+                textcoords="offset points",
+            )
+        if task == "arithmetic":
+            ax.scatter(
+                [b for _, b, _ in REFERENCE],
+                [e for _, _, e in REFERENCE],
+                marker="x",
+                color="0.5",
+                label="DESIGN §6-7 reference run (100 steps)",
+                zorder=2,
+            )
+        ax.axvline(1152 / 10, color="r", ls="--", lw=0.8, label="10× fewer bytes than dense bf16")
+        dense = [r["em_dense_eval"] for r in rs if r["variant"] == "dense"]
+        if dense:
+            d = statistics.mean(dense)
+            ax.axhline(0.9 * d, color="g", ls=":", lw=0.8, label="0.9 × dense EM")
+        ax.set_xscale("log")
+        ax.set_xlabel(
+            "bytes per token per boundary per direction (payload; grey bar: + basis amortised over run)"
+        )
+        ax.set_ylabel("exact match (filled: dense eval = what a user gets; hollow: codec on)")
+        steps = sorted({r["steps"] for r in rs})
+        ax.set_title(f"{task}: {'/'.join(map(str, steps))} steps, batch 16, 4 stages")
+        ax.set_ylim(-0.03, 1.0)
+        ax.legend(fontsize=7, loc="upper left")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    p = out / "pareto.png"
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    written.append(p)
+
+    for task in tasks:
+        rs = [r for r in runs if r["task"] == task and r["steps"] and r["seed"] == 0]
+        rs.sort(key=lambda r: ORDER.index(r["variant"]) if r["variant"] in ORDER else len(ORDER))
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
+        for r in rs:
+            a1.plot(
+                range(1, len(r["train_loss_curve"]) + 1), r["train_loss_curve"], lw=0.9, label=r["variant"]
+            )
+            xs, ys = zip(*r["eval_loss_curve"]) if r["eval_loss_curve"] else ((), ())
+            a2.plot(xs, ys, marker="o", ms=3, lw=0.9, label=r["variant"])
+        a1.set_title(f"{task}: training loss as computed through the codec")
+        a2.set_title(f"{task}: eval loss, dense (no codec), 32 held-out problems")
+        for a in (a1, a2):
+            a.set_xlabel("step")
+            a.set_yscale("log")
+            a.grid(alpha=0.3)
+        a2.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        p = out / f"loss_{task}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+    return written
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    runs = json.loads((out / "links.json").read_text())
+    md = tables(runs)
+    (out / "quality_tables.md").write_text(md + "\n")
+    print(md)
+    for p in plots(runs, out):
+        print("wrote", p)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
