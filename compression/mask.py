@@ -8,6 +8,7 @@ the gradient at the same K positions per token travels back, and the sender scat
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import torch
 
@@ -34,6 +35,8 @@ class MaskCodec(LinkCodec):
         self.wire_dtype = wire_dtype
         self.rescale = bool(rescale)
         self._dtype = WIRE_DTYPES[wire_dtype]
+        self._recent: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self._recent_max = 64  # microbatches in flight on one link are far fewer
 
     @property
     def scale(self) -> float:
@@ -43,8 +46,19 @@ class MaskCodec(LinkCodec):
         return k_for_rate(hidden, self.rate)
 
     def indices(self, ctx: LinkContext, n_tokens: int, hidden: int, device=None) -> torch.Tensor:
-        """The (n_tokens, K) kept channels for this frame; a function of ctx.seed only."""
-        return select_channels(ctx.seed, n_tokens, hidden, self.k(hidden), device=device)
+        """The (n_tokens, K) kept channels for this frame; a function of ctx.seed only.
+
+        Each end needs the same mask twice per microbatch (the sender to encode the forward and
+        decode the backward, the receiver the other way round), so recent masks are cached.
+        """
+        key = (ctx.seed, n_tokens, hidden, str(device))
+        idx = self._recent.get(key)
+        if idx is None:
+            idx = select_channels(ctx.seed, n_tokens, hidden, self.k(hidden), device=device)
+            self._recent[key] = idx
+            while len(self._recent) > self._recent_max:
+                self._recent.popitem(last=False)
+        return idx
 
     def _gather(self, x: torch.Tensor, ctx: LinkContext) -> torch.Tensor:
         hidden = x.shape[-1]
