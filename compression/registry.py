@@ -43,6 +43,12 @@ def _bottleneck(**kw) -> LinkCodec:
     return BottleneckCodec(**kw)
 
 
+def _subspace(**kw) -> LinkCodec:
+    from compression.subspace import SubspaceCodec
+
+    return SubspaceCodec(**kw)
+
+
 CODECS: dict[str, Callable[..., LinkCodec]] = {
     "dense": DenseCodec,
     "mask": _mask,
@@ -51,6 +57,7 @@ CODECS: dict[str, Callable[..., LinkCodec]] = {
     "int8": _int8,
     "int4": _int4,
     "bottleneck": _bottleneck,
+    "subspace": _subspace,
 }
 
 
