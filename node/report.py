@@ -61,7 +61,9 @@ def outer_summary(metrics: list[dict]) -> dict:
         # rounds whose group shared one lineage: only the compressed pseudo-gradients travel (a group
         # that must first re-anchor drifted replicas also sends theta and momentum densely, once)
         "steady_bytes": sum(r["bytes_sent"] for r in rounds if not r["skipped"] and not r.get("reanchored")),
-        "steady_dense_bytes": sum(r["dense_bytes"] for r in rounds if not r["skipped"] and not r.get("reanchored")),
+        "steady_dense_bytes": sum(
+            r["dense_bytes"] for r in rounds if not r["skipped"] and not r.get("reanchored")
+        ),
         "reanchored": len([r for r in rounds if r.get("reanchored")]),
         "max_replica_distance": max(dists) if dists else None,
     }
