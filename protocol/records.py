@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from protocol.frames import PROTOCOL_VERSION
 
 HEARTBEAT_S = 2.0
-RECORD_TTL_S = 3 * HEARTBEAT_S  # a stage record expires after ~3 missed beats
+RECORD_TTL_S = 5 * HEARTBEAT_S  # expires after ~5 missed beats: a beat can queue behind MBs of frames
 
 
 class RecordError(ValueError):
