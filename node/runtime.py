@@ -712,17 +712,21 @@ class StageRuntime:
         except Exception as e:
             log.info("could not refresh routes: %s", e)
 
+    async def publish(self, ready: bool = True, timeout: float | None = None) -> None:
+        """Our stage record: ready peers get routed to; a leaving node publishes ready=False first."""
+        await store_stage_record(
+            self.dht,
+            self.run.run_id,
+            self.index,
+            self.peer_id,
+            self.stage_record(ready),
+            timeout=timeout or self.cfg.hop_timeout,
+        )
+
     async def heartbeat_loop(self) -> None:
         while not self.stop.is_set():
             try:
-                await store_stage_record(
-                    self.dht,
-                    self.run.run_id,
-                    self.index,
-                    self.peer_id,
-                    self.stage_record(),
-                    timeout=self.cfg.hop_timeout,
-                )
+                await self.publish()
             except Exception as e:
                 log.info("heartbeat failed: %s", e)
             await self.refresh_routes()
@@ -817,14 +821,7 @@ class StageRuntime:
             await p2p.add_binary_stream_handler(WEIGHTS_HANDLER, self.weight_server.handle)
             await p2p.add_binary_stream_handler(ANCHOR_HANDLER, self.packet_sink.handle)
         await p2p.add_binary_stream_handler(HANDLER, self.handle_stream)
-        await store_stage_record(
-            self.dht,
-            self.run.run_id,
-            self.index,
-            self.peer_id,
-            self.stage_record(),
-            timeout=self.cfg.hop_timeout,
-        )
+        await self.publish()
         tasks = [asyncio.create_task(self.heartbeat_loop())]
         if self.is_head:
             await self.wait_for_pipeline()
@@ -833,14 +830,7 @@ class StageRuntime:
         log.info("leaving the swarm")
         # announce we are gone before we stop answering, so routing stops choosing us
         try:
-            await store_stage_record(
-                self.dht,
-                self.run.run_id,
-                self.index,
-                self.peer_id,
-                self.stage_record(ready=False),
-                timeout=5.0,
-            )
+            await self.publish(ready=False, timeout=5.0)
         except Exception:
             pass
         for t in tasks:
