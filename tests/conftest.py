@@ -13,3 +13,25 @@ def tiny_model():
     from node.model import load_model
 
     return load_model("tiny:4", seed=0)[0]
+
+
+def run_swarm(report_dir, *args: str, timeout: float = 420) -> dict:
+    """`python -m node swarm ... --report DIR` as a user runs it; returns the parsed report.json."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "node",
+        "swarm",
+        *args,
+        "--report",
+        str(report_dir),
+        "--timeout",
+        str(timeout - 60),
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    return json.loads((report_dir / "report.json").read_text())

@@ -1,10 +1,8 @@
 """Compressed pipeline links in real multi-process swarms (real p2pd, real DHT)."""
 
-import json
-import subprocess
-import sys
-
 import pytest
+
+from tests.conftest import run_swarm
 
 PARAGRAPH = (
     "Volunteers run one process each; it joins the swarm, claims a stage and trains it together "
@@ -17,11 +15,8 @@ def _swarm(tmp, name, *extra, steps=12, stages=2, nodes=2, model="tiny:2:640"):
     if not data.exists():
         data.write_text("\n\n".join(PARAGRAPH * 2 for _ in range(50)))
     out = tmp / name
-    cmd = [
-        sys.executable,
-        "-m",
-        "node",
-        "swarm",
+    return run_swarm(
+        out,
         "--nodes",
         str(nodes),
         "--stages",
@@ -40,15 +35,9 @@ def _swarm(tmp, name, *extra, steps=12, stages=2, nodes=2, model="tiny:2:640"):
         "512",
         "--data",
         str(data),
-        "--report",
-        str(out),
-        "--timeout",
-        "240",
         *extra,
-    ]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    return json.loads((out / "report.json").read_text())
+        timeout=400,
+    )
 
 
 @pytest.fixture(scope="module")

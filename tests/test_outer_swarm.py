@@ -1,16 +1,11 @@
 """DiLoCo outer rounds inside a real swarm: replicated stages average through hivemind."""
 
-import json
-import subprocess
-import sys
+from tests.conftest import run_swarm
 
 
 def test_replicas_average_with_compressed_rounds(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "node",
-        "swarm",
+    rep = run_swarm(
+        tmp_path,
         "--nodes",
         "4",
         "--stages",
@@ -25,14 +20,7 @@ def test_replicas_average_with_compressed_rounds(tmp_path):
         "5",
         "--powersgd-rank",
         "8",
-        "--report",
-        str(tmp_path),
-        "--timeout",
-        "300",
-    ]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    rep = json.loads((tmp_path / "report.json").read_text())
+    )
     outer = rep["outer"]
     assert sorted(len(v) for v in rep["stages"].values()) == [2, 2]
     assert outer["rounds"] >= 2, outer

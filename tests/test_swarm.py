@@ -1,14 +1,13 @@
 """A real multi-process swarm on loopback: separate processes, real p2pd, real hivemind DHT."""
 
 import glob
-import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import run_swarm
 
 
 def _processes_mentioning(text: str) -> list[str]:
@@ -26,11 +25,8 @@ def _processes_mentioning(text: str) -> list[str]:
 @pytest.fixture(scope="module")
 def swarm_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("swarm")
-    cmd = [
-        sys.executable,
-        "-m",
-        "node",
-        "swarm",
+    rep = run_swarm(
+        out,
         "--nodes",
         "3",
         "--stages",
@@ -41,14 +37,9 @@ def swarm_report(tmp_path_factory):
         "tiny:4",
         "--lr",
         "3e-3",
-        "--report",
-        str(out),
-        "--timeout",
-        "240",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return json.loads((out / "report.json").read_text()), out
+        timeout=400,
+    )
+    return rep, out
 
 
 def test_loss_falls(swarm_report):
