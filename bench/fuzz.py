@@ -402,7 +402,7 @@ def _int_h(body: dict, rng: random.Random) -> dict:
 
 DEFECTS = _defects()
 
-KNOWN_BUG_NOTES = """## Runtime defects the first 100k run found (all fixed since; the defect cases above pin them)
+KNOWN_BUG_NOTES = """## Runtime defects the first 100k run found (all fixed since; the cases above pin them)
 
 - `labels_out_of_range`: label ids outside [0, vocab) pass `_check_forward`; the tail's
   cross-entropy raises IndexError, which `handle_stream` swallows (`except Exception`) and

@@ -60,8 +60,10 @@ def test_capped_smoke(tmp_path):
         assert p.returncode == 0, f"{name}:\n{logs[name][-3000:]}"
     res = {name: json.loads((tmp_path / f"{name}.json").read_text())[-1] for name in procs}
     for name, e in res.items():
-        print(f"{name}: {e['tokens_per_s']:.0f} tokens/s, wire {e['wire_utilisation']:.0%} of the cap, "
-              f"{e['bytes_per_token']:.1f} B/token")
+        print(
+            f"{name}: {e['tokens_per_s']:.0f} tokens/s, wire {e['wire_utilisation']:.0%} of the cap, "
+            f"{e['bytes_per_token']:.1f} B/token"
+        )
         assert e["rate_mbit"] == 2.0
         assert e["wire_utilisation"] is not None, name
         assert e["wire_utilisation"] <= 1.1, (name, e["wire_bytes_per_s"])
