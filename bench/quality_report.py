@@ -161,6 +161,7 @@ def plots(runs: list[dict], out: Path) -> list[Path]:
             d = statistics.mean(dense)
             ax.axhline(0.9 * d, color="g", ls=":", lw=0.8, label="0.9 × dense EM")
         ax.set_xscale("log")
+        ax.set_xlim(40, 1600)
         ax.set_xlabel(
             "bytes per token per boundary per direction (payload; grey bar: + basis amortised over run)"
         )
@@ -180,6 +181,8 @@ def plots(runs: list[dict], out: Path) -> list[Path]:
         rs = [r for r in runs if r["task"] == task and r["steps"] and r["seed"] == 0]
         rs.sort(key=lambda r: ORDER.index(r["variant"]) if r["variant"] in ORDER else len(ORDER))
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
+        for a in (a1, a2):
+            a.set_prop_cycle(color=plt.cm.tab20.colors)
         for r in rs:
             a1.plot(
                 range(1, len(r["train_loss_curve"]) + 1), r["train_loss_curve"], lw=0.9, label=r["variant"]
