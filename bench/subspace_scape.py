@@ -24,9 +24,7 @@ Run (CPU, one thread; see the report for the exact command and its CPU time):
 from __future__ import annotations
 
 import argparse
-import ast
 import hashlib
-import importlib.util
 import json
 import math
 import platform
@@ -40,16 +38,9 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from compression.codec import DenseCodec, LinkContext, apply_link
 from compression.scape import ScapeReplicaSim
 from compression.subspace import SubspaceCodec, build_subspace_model
+from node.data import STDLIB_MODULES as MODULES
+from node.data import stdlib_docstrings
 
-MODULES = (
-    "argparse collections dataclasses functools json logging os pathlib re shutil string subprocess "
-    "textwrap threading typing unittest.case urllib.parse email.message http.client inspect pickle random "
-    "statistics tarfile zipfile csv datetime decimal fractions heapq socket ssl asyncio.tasks "
-    "asyncio.events contextlib enum abc copy difflib pprint calendar configparser optparse gettext "
-    "locale tempfile glob fnmatch codecs base64 hashlib hmac secrets sched queue shlex traceback "
-    "warnings weakref xml.dom.minidom html.parser mailbox smtplib ftplib imaplib uuid ipaddress "
-    "operator bisect numbers cmd pdb bdb doctest trace timeit tokenize ast dis zoneinfo sqlite3 wave"
-).split()
 CTX = LinkContext(seed=0)
 # part B variants: key -> (label, density, policy for unmasked coordinates, per-tensor quotas)
 SCAPE_VARIANTS = {
@@ -67,21 +58,6 @@ NOTES_MARKER = "<!-- notes: kept when the script rewrites this file -->"
 # --------------------------------------------------------------------------------------------
 # data
 # --------------------------------------------------------------------------------------------
-
-
-def stdlib_docstrings() -> bytes:
-    parts = []
-    for name in MODULES:
-        spec = importlib.util.find_spec(name)
-        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-            continue
-        tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) > 40:
-                    parts.append(doc)
-    return "\n\n".join(parts).encode("utf-8")
 
 
 class Batches:

@@ -28,8 +28,45 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--codec",
         default=d["codec"],
-        choices=["dense", "mask", "pca", "topk", "int8", "int4", "bottleneck"],
-        help="pipeline-link codec (default: %(default)s)",
+        choices=["dense", "mask", "pca", "topk", "int8", "int4", "bottleneck", "subspace"],
+        help="pipeline-link codec; 'subspace' needs --mode pretrain and --subspace-rank "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--mode",
+        default=d["mode"],
+        choices=["finetune", "pretrain"],
+        help="finetune: train --model as loaded; pretrain: build a Llama-style model from scratch from "
+        "--model's config (tiny[:L[:H]], small, or a checkpoint directory's config.json) with the run "
+        "seed, next-token loss on every position (default: %(default)s)",
+    )
+    g.add_argument(
+        "--subspace-rank",
+        type=int,
+        default=d["subspace_rank"],
+        help="--codec subspace: k, the numbers per token each boundary carries (Subspace Networks; "
+        "the model is built with the constraint) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--dp",
+        default=d["dp"],
+        choices=["diloco", "scape"],
+        help="data parallelism among replicas of a stage: diloco (outer rounds every --outer-every "
+        "steps) or scape (AdamS, sparse sync of --density of the coordinates every inner step) "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--density",
+        type=float,
+        default=d["density"],
+        help="--dp scape: share of every tensor's coordinates synchronised per step (default: %(default)s)",
+    )
+    g.add_argument(
+        "--dp-timeout",
+        type=float,
+        default=d["dp_timeout"],
+        help="--dp scape: seconds to wait for the other replicas' step before going on alone "
+        "(default: %(default)s)",
     )
     g.add_argument(
         "--mask-rate",
@@ -354,6 +391,29 @@ def run_arg_flags(args: argparse.Namespace) -> list[str]:
     return out
 
 
+class FlagError(ValueError):
+    """A combination of run flags that cannot work; the message is one line saying why."""
+
+
+def check_run_flags(a: argparse.Namespace) -> None:
+    """Refuse, in one line, run settings that contradict each other (join and swarm alike)."""
+    if a.codec == "subspace" and a.mode != "pretrain":
+        raise FlagError(
+            "--codec subspace needs --mode pretrain: it is exact only for a model built with the "
+            "subspace constraint, and a pretrained model's residual stream is not in span(U)"
+        )
+    if a.codec == "subspace" and a.subspace_rank < 1:
+        raise FlagError("--codec subspace needs --subspace-rank K (numbers per token, 1 <= K < hidden)")
+    if a.subspace_rank and a.codec != "subspace":
+        raise FlagError("--subspace-rank only applies to --codec subspace")
+    if not 0.0 < a.density <= 1.0:
+        raise FlagError(f"--density must lie in (0, 1], got {a.density}")
+    if a.dp == "scape" and a.outer_every:
+        raise FlagError("--dp scape syncs every inner step; it does not combine with --outer-every")
+    if a.dp_timeout <= 0:
+        raise FlagError("--dp-timeout must be > 0")
+
+
 def config_from_args(a: argparse.Namespace) -> NodeConfig:
     cfg = NodeConfig()
     for f in fields(NodeConfig):
@@ -428,6 +488,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     for noisy in ("hivemind", "transformers", "httpx", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING if not args.verbose else logging.INFO)
+    if args.cmd in ("join", "swarm"):
+        try:
+            check_run_flags(args)
+        except FlagError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     try:
         if args.cmd == "join":
             from node.join import run_join

@@ -49,6 +49,12 @@ class NodeConfig:
     outer_momentum: float = 0.9
     outer_mode: str = "diloco"
     outer_timeout: float = 20.0
+    # pretraining from scratch (DESIGN 4.4) and per-step sparse DP (DESIGN 4.5)
+    mode: str = "finetune"  # finetune | pretrain (a Llama-style model built from scratch with the run seed)
+    subspace_rank: int = 0  # --codec subspace: k numbers per token at every boundary (needs pretrain)
+    dp: str = "diloco"  # diloco (outer rounds, --outer-every) | scape (sparse sync every inner step)
+    density: float = 0.1  # scape: share of each tensor's coordinates synchronised per step
+    dp_timeout: float = 10.0  # scape: seconds to wait for the other replicas' step before going alone
     # anchor priors (DESIGN 4.2): the fast nodes' filter, the anchors' staleness and packet rank
     ap_alpha: float = 0.3
     ap_tau: float = 1e-3

@@ -1,12 +1,15 @@
 """Training data for the head stage: examples -> right-padded microbatches with labels.
 
-Sources: the built-in ``arithmetic`` task (2-digit addition, generated offline), a JSONL
+Sources: the built-in ``arithmetic`` task (2-digit addition, generated offline), ``stdlib``
+(docstrings of standard-library modules, read from this Python), a JSONL
 file of ``{"text": ...}`` or ``{"prompt": ..., "completion": ...}`` records, or plain text.
 Prompt/completion examples carry loss on the completion only.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import random
 from collections.abc import Iterator
@@ -18,6 +21,16 @@ import torch
 from node.stages import IGNORE_INDEX
 
 BUILTIN = "arithmetic"
+STDLIB = "stdlib"  # docstrings of standard-library modules: English prose that ships with Python
+STDLIB_MODULES = (
+    "argparse collections dataclasses functools json logging os pathlib re shutil string subprocess "
+    "textwrap threading typing unittest.case urllib.parse email.message http.client inspect pickle random "
+    "statistics tarfile zipfile csv datetime decimal fractions heapq socket ssl asyncio.tasks "
+    "asyncio.events contextlib enum abc copy difflib pprint calendar configparser optparse gettext "
+    "locale tempfile glob fnmatch codecs base64 hashlib hmac secrets sched queue shlex traceback "
+    "warnings weakref xml.dom.minidom html.parser mailbox smtplib ftplib imaplib uuid ipaddress "
+    "operator bisect numbers cmd pdb bdb doctest trace timeit tokenize ast dis zoneinfo sqlite3 wave"
+).split()
 
 
 class DataError(ValueError):
@@ -35,7 +48,15 @@ def arithmetic_example(rng: random.Random) -> Example:
     return Example(prompt=f"Q: {a}+{b}=\nA:", completion=f" {a + b}")
 
 
+def as_plain_text(examples: list[Example]) -> list[Example]:
+    """Pretraining: next-token loss on every position, prompts included."""
+    return [Example(ex.prompt + ex.completion, "") for ex in examples]
+
+
 def load_examples(source: str, seed: int = 0, n_builtin: int = 20000) -> list[Example]:
+    if source == STDLIB:
+        text = stdlib_docstrings().decode("utf-8")
+        return [Example(p.strip(), "") for p in text.split("\n\n") if p.strip()]
     if source == BUILTIN:
         rng = random.Random(seed)
         return [arithmetic_example(rng) for _ in range(n_builtin)]
@@ -66,6 +87,26 @@ def load_examples(source: str, seed: int = 0, n_builtin: int = 20000) -> list[Ex
     if not out:
         raise DataError(f"{source} holds no examples")
     return out
+
+
+def stdlib_docstrings() -> bytes:
+    """Docstrings (over 40 characters) of ``STDLIB_MODULES``, read from this Python's own sources.
+
+    Offline pretraining text (also the corpus of ``bench/subspace_scape.py``); it differs slightly
+    between Python versions.
+    """
+    parts = []
+    for name in STDLIB_MODULES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            continue
+        tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) > 40:
+                    parts.append(doc)
+    return "\n\n".join(parts).encode("utf-8")
 
 
 class ByteTokenizer:

@@ -17,7 +17,7 @@ import torch
 from node.basis import BASIS_VERSION, BasisStore, calibrate
 from node.checkpoint import newest_for_run
 from node.config import NodeConfig
-from node.data import ByteTokenizer, load_examples, microbatches
+from node.data import ByteTokenizer, as_plain_text, load_examples, microbatches
 from node.devices import GIB, describe_memory, pick_device, stage_memory_bytes
 from node.diloco import OuterSync
 from node.links import build_codec, codec_settings
@@ -31,7 +31,7 @@ from node.membership import (
     start_dht,
     store_stage_record_sync,
 )
-from node.model import content_hash, load_model
+from node.model import content_hash, load_model, load_pretrain_model
 from node.routing import choose_stage
 from node.runtime import StageRuntime
 from node.stages import build_stage, default_stage_ranges
@@ -50,7 +50,7 @@ def new_run_record(cfg: NodeConfig, model, name: str, model_hash: str) -> RunRec
         num_layers=model.config.num_hidden_layers,
         hidden=model.config.hidden_size,
         stages=default_stage_ranges(model, cfg.stages),
-        codec=codec_settings(cfg),
+        codec=codec_settings(cfg, model),
         dense_every=cfg.dense_every,
         outer={
             "every": cfg.outer_every,
@@ -61,6 +61,8 @@ def new_run_record(cfg: NodeConfig, model, name: str, model_hash: str) -> RunRec
             "mode": cfg.outer_mode,
             "timeout": cfg.outer_timeout,
         },
+        mode=cfg.mode,
+        dp={"mode": cfg.dp, "density": cfg.density, "timeout": cfg.dp_timeout},
         anchor={
             "alpha": cfg.ap_alpha,
             "tau": cfg.ap_tau,
@@ -78,6 +80,22 @@ def new_run_record(cfg: NodeConfig, model, name: str, model_hash: str) -> RunRec
         microbatch=cfg.microbatch,
         batch_tokens=cfg.batch_tokens,
     )
+
+
+def load_run_model(cfg: NodeConfig, run: RunRecord | None):
+    """The model this node serves: as the run says (joiners), or as the flags say (the starter).
+
+    ``--mode pretrain`` builds a fresh Llama from a config and the run seed (with the subspace
+    constraint when the run's codec is ``subspace``); every peer builds the same bits, which the
+    content hash then confirms.
+    """
+    mode = cfg.mode if run is None else run.mode
+    seed = cfg.seed if run is None else run.seed
+    if mode == "pretrain":
+        codec = {"codec": cfg.codec, "k": cfg.subspace_rank} if run is None else run.codec
+        k = int(codec.get("k", 0)) if codec.get("codec") == "subspace" else 0
+        return load_pretrain_model(cfg.model, seed=seed, subspace_k=k)
+    return load_model(cfg.model, seed=seed)
 
 
 def needs_basis(run: RunRecord) -> bool:
@@ -115,7 +133,7 @@ def stage_memory(cfg: NodeConfig, run: RunRecord, model, device) -> list[dict[st
     for i, (start, end) in enumerate(run.stages):
         n = sum(p.numel() for layer in layers[start:end] for p in layer.parameters())
         if i == 0:
-            n += model.get_input_embeddings().weight.numel()
+            n += sum(p.numel() for p in model.get_input_embeddings().parameters())
         is_tail = i == len(run.stages) - 1
         if is_tail:
             n += model.get_output_embeddings().weight.numel()
@@ -197,7 +215,7 @@ def run_join(cfg: NodeConfig) -> int:
                     f"no run {cfg.run_id!r} found in the swarm at {cfg.peers[0]} within "
                     f"{cfg.join_timeout:.0f}s; check --run-id, or start a new swarm without --peers"
                 )
-        model, tok, name = load_model(cfg.model, seed=cfg.seed if run is None else run.seed)
+        model, tok, name = load_run_model(cfg, run)
         model_hash = content_hash(model)
         run_is_new = run is None
         if run is None:
@@ -253,6 +271,8 @@ def run_join(cfg: NodeConfig) -> int:
         if index == 0:
             tok = tok or ByteTokenizer(stage.config.vocab_size)
             examples = load_examples(cfg.data, seed=run.seed)
+            if run.mode == "pretrain":  # next-token loss on every position
+                examples = as_plain_text(examples)
             data = microbatches(examples, tok, run.microbatch, run.seq_len, seed=zlib.crc32(peer_id.encode()))
         outer = None
         if run.outer["every"] > 0 and cfg.circuit == "fast":

@@ -15,9 +15,24 @@ from node.config import NodeConfig
 from protocol.records import RunRecord
 
 
-def codec_settings(cfg: NodeConfig) -> dict:
-    """The codec description a new run publishes (what ``describe()`` of the codec returns)."""
+def codec_settings(cfg: NodeConfig, model=None) -> dict:
+    """The codec description a new run publishes (what ``describe()`` of the codec returns).
+
+    ``subspace`` needs the model's vocabulary and hidden size: U and T are rebuilt from the run
+    seed by every peer, so the description carries (k, seed, vocab, hidden), never the tensors.
+    """
     name = cfg.codec
+    if name == "subspace":
+        if model is None:
+            raise ValueError("the subspace codec's settings need the model (vocab, hidden)")
+        kw = {
+            "k": cfg.subspace_rank,
+            "seed": cfg.seed,
+            "vocab": model.config.vocab_size,
+            "hidden": model.config.hidden_size,
+            "wire_dtype": cfg.wire_dtype,
+        }
+        return make_codec(name, **kw).describe()
     if name == "dense":
         kw = {"wire_dtype": cfg.wire_dtype}
     elif name == "mask":

@@ -96,6 +96,82 @@ def tiny_config(layers: int = 4, hidden: int = 64, vocab: int = 512, tie: bool =
     )
 
 
+SMALL = "small"  # the from-scratch config of bench/subspace_scape.py: hidden 128, 4 layers, byte vocab
+
+
+def pretrain_config(model: str):
+    """The LlamaConfig a ``--mode pretrain`` run builds from scratch.
+
+    ``tiny[:LAYERS[:HIDDEN]]`` (vocab 512), ``small`` (hidden 128, 4 layers, 4 heads, MLP 336,
+    vocab 256, as in ``bench/subspace_scape.py``), or a checkpoint directory / ``bundled``
+    whose ``config.json`` only is used (its weights are not loaded). Embeddings are untied
+    (the subspace model needs that; a fresh model loses nothing by it).
+    """
+    from transformers import AutoConfig, LlamaConfig
+
+    if model == TINY or model.startswith("tiny:"):
+        parts = model.split(":")
+        layers = int(parts[1]) if len(parts) > 1 else 4
+        hidden = int(parts[2]) if len(parts) > 2 else 64
+        return tiny_config(layers=layers, hidden=hidden)
+    if model == SMALL:
+        return LlamaConfig(
+            vocab_size=256,
+            hidden_size=128,
+            intermediate_size=336,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+            attn_implementation="sdpa",
+        )
+    path = resolve_model_path(model)
+    if not Path(path, "config.json").exists():
+        raise ModelError(
+            f"{path} has no config.json; --mode pretrain takes tiny[:L[:H]], small or a config directory"
+        )
+    config = AutoConfig.from_pretrained(path)
+    if getattr(config, "model_type", "") != "llama":
+        raise ModelError(f"--mode pretrain builds Llama models; {path} is {config.model_type!r}")
+    config.tie_word_embeddings = False
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def load_pretrain_model(model: str, seed: int, subspace_k: int = 0):
+    """(model, tokenizer_or_None, name) for ``--mode pretrain``: a fresh Llama from ``pretrain_config``.
+
+    Every peer builds bit-identical weights from the run seed (torch's global RNG is forked,
+    not advanced). With ``subspace_k`` the model carries the Subspace Networks constraint
+    (``compression.subspace.build_subspace_model``: embedding E·Uᵀ + T[tok], o_proj and
+    down_proj = U·Z, with U and T from the same seed), so every boundary's residual lies in
+    T[tok] + span(U) and the subspace codec is exact.
+    """
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from compression.subspace import build_subspace_model
+
+    config = pretrain_config(model)
+    if subspace_k:
+        if not 1 <= subspace_k < config.hidden_size:
+            raise ModelError(f"--subspace-rank {subspace_k} must lie in [1, {config.hidden_size - 1}]")
+        m = build_subspace_model(config, subspace_k, seed)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            m = LlamaForCausalLM(config)
+    tok = None
+    if not (model == TINY or model.startswith("tiny:") or model == SMALL):
+        try:
+            tok = AutoTokenizer.from_pretrained(resolve_model_path(model))
+        except Exception:
+            tok = None
+    base = model if model in (TINY, SMALL) or model.startswith("tiny:") else Path(model).name
+    name = f"scratch-{base}" + (f"-subspace{subspace_k}" if subspace_k else "")
+    return m.float().eval(), tok, name
+
+
 def resolve_model_path(model: str) -> str:
     if model == BUNDLED:
         return str(prepare_bundled())

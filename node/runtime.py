@@ -503,13 +503,24 @@ class StageRuntime:
         raise last or HopFailed("no attempt made")
 
     def _forward_frame(
-        self, step: int, mb: int, path: list[str], y: torch.Tensor, labels: torch.Tensor
+        self,
+        step: int,
+        mb: int,
+        path: list[str],
+        y: torch.Tensor,
+        labels: torch.Tensor,
+        token_ids: torch.Tensor | None = None,
     ) -> Frame:
         boundary = self.index
         codec = self.link_out.for_step(step)
         seed = mask_seed(self.run.seed, step, mb, boundary)
         ctx = LinkContext(seed=seed, basis_version=getattr(codec, "version", None) or 0)
-        tensors = dict(codec.encode_forward(y.detach(), ctx))
+        if hasattr(codec, "encode_forward_with_tokens"):  # subspace: k numbers + the token id per position
+            if token_ids is None:
+                raise HopFailed("the subspace link needs the microbatch's token ids", retry=False)
+            tensors = dict(codec.encode_forward_with_tokens(y.detach(), token_ids.to(y.device), ctx))
+        else:
+            tensors = dict(codec.encode_forward(y.detach(), ctx))
         tensors["labels"] = pack_labels(labels, self.stage.config.vocab_size)
         return Frame(
             kind="forward",
@@ -597,10 +608,19 @@ class StageRuntime:
             raise OutOfRange(f"labels outside [0, {vocab})")
 
     async def _run_rest(
-        self, x: torch.Tensor, labels: torch.Tensor, step: int, mb: int, path: list[str], tokens: int
+        self,
+        x: torch.Tensor,
+        labels: torch.Tensor,
+        step: int,
+        mb: int,
+        path: list[str],
+        tokens: int,
+        token_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, dict]:
         """Run this stage on ``x``, send the result on and backprop the reply.
 
+        ``token_ids`` (batch, tokens): the microbatch's input ids, for codecs whose payload
+        carries them (subspace); the head has them in ``x``, a body stage from its input payload.
         Returns the gradient with respect to ``x`` (None on the head) and the tail's loss meta.
         Raises HopFailed when the next stage cannot be reached.
         """
@@ -611,7 +631,7 @@ class StageRuntime:
             return grad_x, {"loss": loss, "tokens": n_loss}
         y, leaf = await self.compute(self._forward, x)
         self._record_throughput(tokens, time.perf_counter() - t0)
-        down = self._forward_frame(step, mb, path, y, labels)
+        down = self._forward_frame(step, mb, path, y, labels, x if self.is_head else token_ids)
         bwd = await self.send_downstream(down, tokens)
         codec = self.link_out.by_id(down.codec)
         ctx = LinkContext(seed=down.seed, basis_version=down.basis_version)
@@ -634,12 +654,17 @@ class StageRuntime:
         except (KeyError, RuntimeError, ValueError) as e:
             raise MalformedFrame(f"payload does not decode with codec {frame.codec}: {e}") from None
         check_magnitude(x, "activations")
+        token_ids = None
+        if hasattr(codec, "tokens_from_payload"):  # passed on to the next link's payload
+            token_ids = codec.tokens_from_payload(frame.tensors).reshape(shape[:2])
         labels = unpack_labels(frame.tensors["labels"])
         self._check_labels(labels)
         tokens = shape[0] * shape[1]
         await self.gate.enter(self.cfg.hop_timeout)
         try:
-            grad_x, meta = await self._run_rest(x, labels, frame.step, frame.microbatch, frame.path, tokens)
+            grad_x, meta = await self._run_rest(
+                x, labels, frame.step, frame.microbatch, frame.path, tokens, token_ids
+            )
         finally:
             await self.gate.exit()
         reply = Frame(

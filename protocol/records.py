@@ -62,6 +62,10 @@ class RunRecord:
             "timeout": 20.0,
         }
     )
+    # finetune (a pretrained or given model) | pretrain (built from scratch from a config and the seed)
+    mode: str = "finetune"
+    # per-inner-step DP among replicas of a stage: "scape" syncs ``density`` of the coordinates every step
+    dp: dict = field(default_factory=lambda: {"mode": "diloco", "density": 0.1, "timeout": 10.0})
     # anchor priors: the fast nodes' spectral filter and the anchors' pull/packet settings
     anchor: dict = field(
         default_factory=lambda: {
@@ -112,6 +116,8 @@ class RunRecord:
                 "dense_every": int,
                 "anchor": dict,
                 "outer": dict,
+                "mode": str,
+                "dp": dict,
                 "seed": int,
                 "lr": (int, float),
                 "weight_decay": (int, float),
@@ -128,6 +134,12 @@ class RunRecord:
                 f"run speaks protocol {rec.protocol}, this node speaks {PROTOCOL_VERSION}; "
                 "install the matching release"
             )
+        if rec.mode not in ("finetune", "pretrain"):
+            raise RecordError(f"unknown run mode {rec.mode!r}")
+        if rec.dp.get("mode") not in ("diloco", "scape") or not (
+            isinstance(rec.dp.get("density"), (int, float)) and 0 < rec.dp["density"] <= 1
+        ):
+            raise RecordError(f"run record dp settings {rec.dp} are malformed")
         prev = 0
         for r in rec.stages:
             if not (
