@@ -45,7 +45,7 @@ import torch
 
 from compression.codec import DenseCodec, LinkCodec, LinkContext, Payload, apply_link, payload_nbytes
 from compression.mask import is_dense_step
-from compression.pca import PcaCodec, fit_basis
+from compression.pca import PcaCodec, fit_basis, fit_joint_basis
 from compression.prf import mask_seed
 from compression.registry import make_codec
 from compression.spectral import SpectralFilter, filter_gradients, is_target_matrix
@@ -168,6 +168,9 @@ VARIANTS: dict[str, Variant] = {
         Variant("pca58i8", "pca", {"k": 58, "coeff_dtype": "int8"}),
         Variant("pca29bf16", "pca", {"k": 29, "coeff_dtype": "bfloat16"}),
         Variant("pca96i8", "pca", {"k": 96, "coeff_dtype": "int8"}),
+        Variant("pca96g32i8", "pca", {"k": 96, "coeff_dtype": "int8", "grad_k": 32}),
+        Variant("pca64g32i8", "pca", {"k": 64, "coeff_dtype": "int8", "grad_k": 32}),
+        Variant("pca96g48i8", "pca", {"k": 96, "coeff_dtype": "int8", "grad_k": 48}),
         Variant("pca58i8+warmup10", "pca", {"k": 58, "coeff_dtype": "int8"}, warmup=10),
         Variant("pca58i8+cooldown4", "pca", {"k": 58, "coeff_dtype": "int8"}, cooldown=4),
         Variant("int4", "int4", {}),
@@ -372,15 +375,37 @@ def exact_match(pipe: Pipeline, examples, tok, links_for=None, max_new: int = 6)
 
 
 def calibrate(pipe: Pipeline, codecs: list[Metered], calib: list[Example], tok, pad, version: int) -> float:
-    """Fit mean + basis per boundary from the dense model's activations on task examples."""
+    """Fit mean + basis per boundary from the dense model's activations on task examples
+    (and, for ``grad_k`` > 0, the gradients of the answer loss at each boundary)."""
     t = time.perf_counter()
-    with torch.no_grad():
-        acts = [[] for _ in codecs]
-        for ids, _ in batches(calib, tok, pad):
-            for b, h in enumerate(pipe.hidden(ids, None)):
-                acts[b].append(h.reshape(-1, h.shape[-1]))
+    grad_k = codecs[0].inner.grad_k
+    acts: list[list[torch.Tensor]] = [[] for _ in codecs]
+    grads: list[list[torch.Tensor]] = [[] for _ in codecs]
+
+    def tap(b: int, h: torch.Tensor) -> torch.Tensor:
+        acts[b].append(h.detach().reshape(-1, h.shape[-1]))
+        if h.requires_grad:
+            h.register_hook(lambda g: grads[b].append(g.detach().reshape(-1, g.shape[-1])))
+        return h
+
+    for ids, labels in batches(calib, tok, pad):
+        if grad_k:
+            loss = answer_loss(*pipe.answer_logits(ids, labels, tap)[:2])
+            loss.backward()
+            for p in pipe.lm_head.parameters():  # calibration must not leave gradients behind
+                p.grad = None
+            for st in pipe.stages:
+                st.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad():
+                for b, h in enumerate(pipe.hidden(ids, None)):
+                    tap(b, h)
     for b, c in enumerate(codecs):
-        mean, v = fit_basis(torch.cat(acts[b]), c.inner.k)
+        a = torch.cat(acts[b])
+        if grad_k:
+            mean, v = fit_joint_basis(a, torch.cat(grads[b]), c.inner.k, grad_k)
+        else:
+            mean, v = fit_basis(a, c.inner.k)
         c.inner.set_basis(mean, v, version)
     return time.perf_counter() - t
 

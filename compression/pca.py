@@ -64,6 +64,41 @@ def fit_basis(samples: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     return mean.to(torch.float32).contiguous(), (v * sign).to(torch.float32).contiguous()
 
 
+def fit_joint_basis(
+    acts: torch.Tensor, grads: torch.Tensor, k: int, k_grad: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean (H,) and V (H, k): k − k_grad principal directions of the activations, then the
+    k_grad directions holding most of the gradients' energy outside them.
+
+    Why: an activation-only basis keeps the forward nearly exact but carries only 13-25% of
+    the boundary gradient's energy on SmolLM2 (bench/results/quality.md), so the upstream
+    stages learn from a sliver of their gradient. Gradients of the loss with respect to the
+    residual stream concentrate in a few directions that the activations barely use; adding
+    them costs the forward little (their coefficients are small) and lets Vᵀg carry most of
+    the backward. Gradient directions are uncentred (energy, not variance: Vᵀg must keep
+    g's mean too) and come last, so int8 blocks of small coefficients get their own scales.
+    """
+    if grads.dim() != 2 or grads.shape[1] != acts.shape[-1]:
+        raise ValueError(f"grads must be (N, H = {acts.shape[-1]}), got shape {tuple(grads.shape)}")
+    if not 0 <= k_grad < k:
+        raise ValueError(f"need 0 <= k_grad < k = {k}, got k_grad = {k_grad}")
+    mean, va = fit_basis(acts, k - k_grad)
+    if k_grad == 0:
+        return mean, va
+    g = grads.detach().to(torch.float64)
+    va64 = va.to(torch.float64)
+    resid = g - (g @ va64) @ va64.T
+    _, vecs = torch.linalg.eigh(resid.T @ resid)
+    vg = vecs[:, -k_grad:].flip(-1)
+    vg = vg - va64 @ (va64.T @ vg)  # exact orthogonality to va despite rounding
+    vg, _ = torch.linalg.qr(vg)
+    pivot = vg.abs().argmax(dim=0)
+    sign = torch.sign(vg[pivot, torch.arange(k_grad, device=vg.device)])
+    sign[sign == 0] = 1.0
+    v = torch.cat([va64, vg * sign], dim=1)
+    return mean, v.to(torch.float32).contiguous()
+
+
 def basis_drift(v_old: torch.Tensor, v_new: torch.Tensor) -> float:
     """1 − ||V_oldᵀ V_new||_F² / k: 0 for the same subspace, 1 for orthogonal ones.
 
@@ -109,6 +144,7 @@ class PcaCodec(LinkCodec):
         block: int = 32,
         scale_dtype: str = "bfloat16",
         basis_dtype: str = "float32",
+        grad_k: int = 0,
     ):
         if k < 1:
             raise ValueError(f"k must be >= 1, not {k}")
@@ -120,6 +156,11 @@ class PcaCodec(LinkCodec):
             raise ValueError(f"scale dtype {scale_dtype!r} not in ('bfloat16', 'float16')")
         if basis_dtype not in BASIS_DTYPES:
             raise ValueError(f"basis dtype {basis_dtype!r} not in {BASIS_DTYPES}")
+        if not 0 <= grad_k < k:
+            raise ValueError(f"grad_k must be in [0, k = {k}), not {grad_k}")
+        # how many of the k directions calibration takes from gradients (fit_joint_basis);
+        # the codec itself only needs V, but both ends publish the setting in the run record
+        self.grad_k = grad_k
         self.k, self.coeff_dtype, self.block = k, coeff_dtype, block
         self.scale_dtype, self.basis_dtype = scale_dtype, basis_dtype
         self._sdtype = WIRE_DTYPES[scale_dtype]
@@ -270,4 +311,6 @@ class PcaCodec(LinkCodec):
         if self.coeff_dtype == "int8":
             d.update(block=self.block, scale_dtype=self.scale_dtype)
         d["basis_dtype"] = self.basis_dtype
+        if self.grad_k:
+            d["grad_k"] = self.grad_k
         return d

@@ -56,7 +56,7 @@ from protocol.frames import (
     MalformedFrame,
     OutOfRange,
     ShapeMismatch,
-    check_magnitude,
+    check_payload_magnitude,
     decode_frame,
     encode_frame,
     error_frame,
@@ -636,8 +636,8 @@ class StageRuntime:
         codec = self.link_out.by_id(down.codec)
         ctx = LinkContext(seed=down.seed, basis_version=down.basis_version)
         try:
+            check_payload_magnitude(bwd.tensors, "gradient")
             grad_y = codec.decode_backward(bwd.tensors, ctx, tuple(y.shape))
-            check_magnitude(grad_y, "gradient")
         except (FrameError, KeyError, RuntimeError, ValueError) as e:
             raise HopFailed(f"the next stage's gradient is unusable: {e}", retry=False) from None
         grad_x = await self.compute(self._backward, y, grad_y, leaf)
@@ -649,11 +649,12 @@ class StageRuntime:
         ctx = self._link_ctx(frame)
         shape = tuple(frame.shape)
         await self._ensure_basis(codec, frame)
+        payload = {k: v for k, v in frame.tensors.items() if k != "labels"}
+        check_payload_magnitude(payload, "activations")
         try:
-            x = codec.decode_forward({k: v for k, v in frame.tensors.items() if k != "labels"}, ctx, shape)
+            x = codec.decode_forward(payload, ctx, shape)
         except (KeyError, RuntimeError, ValueError) as e:
             raise MalformedFrame(f"payload does not decode with codec {frame.codec}: {e}") from None
-        check_magnitude(x, "activations")
         token_ids = None
         if hasattr(codec, "tokens_from_payload"):  # passed on to the next link's payload
             token_ids = codec.tokens_from_payload(frame.tensors).reshape(shape[:2])

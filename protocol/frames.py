@@ -20,7 +20,7 @@ MAX_TENSORS = 16
 MAX_DIMS = 4
 MAX_PATH = 64
 
-KINDS = ("forward", "backward", "error", "basis", "weights", "anchor")
+KINDS = ("forward", "backward", "error", "basis", "weights", "anchor", "scape")
 
 # Only these dtypes may arrive over the wire (no object, no complex, nothing exotic).
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -85,6 +85,20 @@ MAX_ABS_VALUE = 1e6
 def check_magnitude(t: torch.Tensor, what: str, limit: float = MAX_ABS_VALUE) -> None:
     if t.numel() and t.is_floating_point() and float(t.abs().max()) > limit:
         raise OutOfRange(f"{what} holds values beyond ±{limit:g}")
+
+
+def check_payload_magnitude(
+    tensors: dict[str, torch.Tensor], what: str, limit: float = MAX_ABS_VALUE
+) -> None:
+    """Every floating payload tensor within ±limit, checked *before* decoding.
+
+    Why on the payload, not the decoded activations: every codec's decode is linear with a
+    bounded operator (identity, scatter, orthonormal basis, int × checked scale), so a bounded
+    payload gives a bounded input, and the payload of a compressed link is ~20x smaller than
+    the dense tensor (the decoded check was a fifth of a masked node's CPU time).
+    """
+    for t in tensors.values():
+        check_magnitude(t, what, limit)
 
 
 @dataclass

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from compression.codec import LinkContext, apply_link, payload_nbytes
-from compression.pca import BasisVersionError, PcaCodec, basis_drift, fit_basis, should_refresh
+from compression.pca import (
+    BasisVersionError,
+    PcaCodec,
+    basis_drift,
+    fit_basis,
+    fit_joint_basis,
+    should_refresh,
+)
 from compression.registry import make_codec
 
 H, K = 48, 12
@@ -239,3 +246,41 @@ def test_registry_and_describe():
         "scale_dtype": "bfloat16",
         "basis_dtype": "float32",
     }
+
+
+def test_joint_basis_keeps_gradient_directions_the_activations_miss():
+    torch.manual_seed(0)
+    hidden, n = 48, 2000
+    # activations: large variance in channels 0-7; gradients: live in channels 40-43 only
+    acts = torch.randn(n, hidden) * 0.05
+    acts[:, :8] += torch.randn(n, 8) * 5.0
+    grads = torch.zeros(n, hidden)
+    grads[:, 40:44] = torch.randn(n, 4)
+    mean_a, v_act = fit_basis(acts, 12)
+    mean_j, v_joint = fit_joint_basis(acts, grads, 12, 4)
+
+    def kept(v: torch.Tensor) -> float:
+        return float((grads @ v).pow(2).sum() / grads.pow(2).sum())
+
+    assert kept(v_act) < 0.5  # the activation basis keeps little of these gradients
+    assert kept(v_joint) > 0.999  # the 4 gradient directions are found exactly
+    gram = v_joint.T @ v_joint
+    assert torch.allclose(gram, torch.eye(12), atol=1e-5)
+    # the activation part is the plain PCA basis of k - k_grad components, same mean
+    _, v8 = fit_basis(acts, 8)
+    assert torch.allclose(v_joint[:, :8], v8, atol=1e-6)
+    assert torch.equal(mean_j, mean_a)
+    # the forward still reconstructs the high-variance part
+    xc = acts - mean_j
+    err = (xc - xc @ v_joint @ v_joint.T).norm() / xc.norm()
+    assert err < 0.1
+
+
+def test_joint_basis_rejects_bad_sizes():
+    acts, grads = torch.randn(50, 16), torch.randn(50, 16)
+    with pytest.raises(ValueError, match="k_grad"):
+        fit_joint_basis(acts, grads, 8, 8)
+    with pytest.raises(ValueError, match="grads"):
+        fit_joint_basis(acts, torch.randn(50, 15), 8, 2)
+    with pytest.raises(ValueError, match="grad_k"):
+        PcaCodec(k=8, grad_k=8)
