@@ -69,6 +69,47 @@ def outer_summary(metrics: list[dict]) -> dict:
     }
 
 
+def dp_summary(metrics: list[dict], tokens: int) -> dict:
+    """Per-step sparse DP (``--dp scape``): bytes summed over replicas, and whether the replicas of a
+    stage held the same parameters after every step they synchronised as one group.
+
+    ``consistency``: per stage, the steps that every replica recorded with a group of all of them,
+    and how many of those had bit-identical parameters (a CRC of the flat fp32 vector) everywhere.
+    """
+    scape = [m for m in metrics if m.get("dp", {}).get("mode") == "scape"]
+    if not scape:
+        return {"mode": "diloco"}
+    by_stage: dict[int, list[dict]] = defaultdict(list)
+    for m in scape:
+        by_stage[m["stage"]].append(m)
+    consistency = {}
+    for stage, ms in sorted(by_stage.items()):
+        if len(ms) < 2:
+            continue
+        per = [{r["step"]: r for r in m["dp"]["records"]} for m in ms]
+        common = sorted(set.intersection(*(set(p) for p in per)))
+        synced = [t for t in common if all(p[t]["group"] == len(ms) for p in per)]
+        equal = [t for t in synced if len({p[t]["digest"] for p in per}) == 1]
+        consistency[str(stage)] = {
+            "replicas": len(ms),
+            "synced_steps": len(synced),
+            "equal_steps": len(equal),
+        }
+    total = sum(m["dp"]["bytes"] for m in scape)
+    return {
+        "mode": "scape",
+        "density": scape[0]["dp"]["density"],
+        "bytes": total,
+        "values_bytes": sum(m["dp"]["values_bytes"] for m in scape),
+        "mask_bytes": sum(m["dp"]["mask_bytes"] for m in scape),
+        "bytes_per_token": total / tokens if tokens else None,
+        "alone_steps": sum(m["dp"]["alone"] for m in scape),
+        "missing": sum(m["dp"]["missing"] for m in scape),
+        "mismatched": sum(m["dp"]["mismatched"] for m in scape),
+        "consistency": consistency,
+    }
+
+
 def build_report(metrics: list[dict], n_stages: int, **extra) -> dict:
     # the training loss a user cares about is the fast circuit's; anchors only feed its filter
     tails = [m for m in metrics if m["stage"] == n_stages - 1 and m.get("circuit", "fast") == "fast"]
@@ -92,6 +133,7 @@ def build_report(metrics: list[dict], n_stages: int, **extra) -> dict:
         "anchor_pull_bytes": sum(m.get("anchor_pull_bytes", 0) for m in metrics),
         "anchor_packets_received": sum(m.get("anchor_packets_received", 0) for m in metrics),
         "outer": outer_summary(fast),
+        "dp": dp_summary(fast, sum(m["trained_tokens"] for m in tails)),
         "rejected_frames": sum(m["rejected_frames"] for m in metrics),
         "microbatches_per_peer": {m["peer_id"]: m["microbatches"] for m in metrics},
         "nodes": metrics,

@@ -241,6 +241,11 @@ class StageRuntime:
         params = [p for p in stage.parameters() if p.requires_grad]
         self.params = params
         self.opt = torch.optim.AdamW(params, lr=run.lr, weight_decay=run.weight_decay)
+        self.scape = None  # node.scape.ScapeSync: AdamS + a sparse sync with the stage's replicas every step
+        if run.dp.get("mode") == "scape" and cfg.circuit == "fast":
+            from node.scape import ScapeSync
+
+            self.scape = ScapeSync(self, float(run.dp["density"]), float(run.dp.get("timeout", 10.0)))
 
     # ---------------------------------------------------------------- compute (worker thread)
     async def compute(self, fn, *args):
@@ -319,6 +324,8 @@ class StageRuntime:
             if self.anchor.needs_pull():
                 await self.anchor.pull()
             ok = True
+        elif self.scape is not None:
+            ok = await self.scape.step(self.inner_step)
         else:
             ok = await self.compute(self._optimizer_step)
             await self._maybe_outer_round(self.inner_step + 1)
@@ -792,6 +799,7 @@ class StageRuntime:
             "state_pull_bytes": m.state_pull_bytes,
             "outer_rounds": m.outer_rounds,
             "outer_alone": m.outer_alone,
+            "dp": self.scape.summary() if self.scape is not None else {"mode": self.run.dp.get("mode")},
             "state_dir": self.cfg.state_dir,
             "checkpoints": m.checkpoints,
             "resumed_from": self.resumed_from,
@@ -846,6 +854,10 @@ class StageRuntime:
             await self._join_from_peers()
             await p2p.add_binary_stream_handler(WEIGHTS_HANDLER, self.weight_server.handle)
             await p2p.add_binary_stream_handler(ANCHOR_HANDLER, self.packet_sink.handle)
+        if self.scape is not None:
+            from node.scape import SCAPE_HANDLER
+
+            await p2p.add_binary_stream_handler(SCAPE_HANDLER, self.scape.handle)
         await p2p.add_binary_stream_handler(HANDLER, self.handle_stream)
         await self.publish()
         tasks = [asyncio.create_task(self.heartbeat_loop())]
@@ -891,6 +903,10 @@ class StageRuntime:
         if fast_peers_of_stage(self) and self.outer is not None:
             ok = await self.compute(self.outer.load_state_from_peers, self.cfg.join_timeout)
             log.info("outer state %s from the stage's replicas", "loaded" if ok else "not available")
+        elif self.scape is not None and not any(r.inner_step for r in fast_peers_of_stage(self).values()):
+            # SCAPE keeps replicas bit-identical: peers that have not stepped hold exactly the weights we
+            # built (same model hash), and a bf16 copy of them would make this replica differ from step 0
+            log.info("the stage's replicas have not stepped yet; starting from the same initial weights")
         elif fast_peers_of_stage(self):
             pulled = await pull_weights(self)
             if pulled is None:

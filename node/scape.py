@@ -1,0 +1,352 @@
+"""SCAPE in the swarm (DESIGN.md 4.5): replicas of a stage sync a sparse gradient every inner step.
+
+The math is ``compression.scape`` (AdamS, per-tensor partitioned top-|m| masks, error
+feedback); this module moves it between node processes over libp2p, the way the pipeline
+links do (one-way streams to the ``vnode.scape`` handler, frames of kind ``scape``).
+
+Inner step t of a replica, with no microbatch in flight (``StepGate``):
+
+1. local gradient: mean over its microbatches, clipped to the run's clip, flattened; plus its
+   error buffer e (``acc = g + e``).
+2. mask M_t: the union of the slices every replica of step t−1's group proposed right after
+   its step t−1 (its own slice included; they arrive while step t's microbatches run, so the
+   wait is normally zero). Step 0, or a step after a replica went alone, syncs densely.
+3. values: ``acc[M_t]`` rounded to bf16, sent to every live fast peer of the stage, with a
+   digest of M_t. It waits (refusing new microbatches, which upstream retries on another
+   replica) until every peer's values for step t arrived, or ``dp.timeout`` seconds; then it
+   goes on with those that came (a dead replica is counted in ``missing``, never waited for
+   again: it is no longer in the routes). Values with another digest (a replica that saw a
+   different group) are refused and counted in ``mismatched``.
+4. the mean over the group, summed in peer-id order over the same bf16 numbers on every
+   member (so members stay bit-identical), goes into ``adams_masked_step_``; error feedback:
+   e ← acc with M_t zeroed.
+5. next slice: with the group of step t sorted by peer id, this replica scores its strided
+   slice {i : i mod world = rank} per tensor (``next_mask`` with one segment per parameter)
+   and sends it to the group as int32 indices or a bitmap of the slice, whichever is smaller
+   (the exchange ``step_bytes`` counts).
+
+Bytes are counted where frames are written (``wire.send`` return value, frame headers
+included) and kept per step with the group size, the mask size and a CRC of the parameters
+after the step, so a report can check that synchronised replicas hold the same weights.
+A replica alone on its stage takes a plain AdamS step on its own gradient (``alone``).
+
+Not done: the error buffer and first moments are not checkpointed, and a replica joining a
+running stage pulls weights but not m and e (its first steps then disagree with the others'
+masks and are refused until it catches up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+from collections import defaultdict
+
+import torch
+from hivemind.p2p import PeerID
+
+from compression.scape import adams_masked_step_, adams_step_, mask_scores, next_mask
+from node.anchors import fast_peers_of_stage
+from node.transport import close_quietly
+from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame
+
+log = logging.getLogger("node")
+
+SCAPE_HANDLER = "vnode.scape"
+BETAS = (0.9, 0.95)
+EPS = 1e-8
+_KEEP_STEPS = 4  # inbox entries older than this many steps are dropped
+
+
+def mask_digest(mask: torch.Tensor | None, numel: int) -> int:
+    """CRC32 of the mask's indices (of the vector length for a dense step)."""
+    if mask is None:
+        return zlib.crc32(f"dense:{numel}".encode())
+    return zlib.crc32(mask.to(torch.int64).numpy().tobytes())
+
+
+def param_digest(flat: torch.Tensor) -> int:
+    return zlib.crc32(flat.detach().to(torch.float32).contiguous().numpy().tobytes())
+
+
+def encode_slice(indices: torch.Tensor, rank: int, world: int, numel: int) -> dict[str, torch.Tensor]:
+    """A slice of the next mask: int32 indices, or a bitmap over the slice {i : i mod world = rank}."""
+    n_r = len(range(rank, numel, world))
+    if indices.numel() * 4 <= (n_r + 7) // 8:
+        return {"i": indices.to(torch.int32)}
+    bits = torch.zeros((n_r + 7) // 8 * 8, dtype=torch.uint8)
+    bits[(indices - rank) // world] = 1
+    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+    return {"b": (bits.view(-1, 8) * weights).sum(dim=1).to(torch.uint8)}
+
+
+def decode_slice(tensors: dict[str, torch.Tensor], rank: int, world: int, numel: int) -> torch.Tensor:
+    """Inverse of ``encode_slice``; raises FrameError on anything that is not a valid slice."""
+    if not 0 <= rank < world:
+        raise FrameError(f"slice rank {rank} outside world {world}")
+    n_r = len(range(rank, numel, world))
+    if "i" in tensors:
+        idx = tensors["i"]
+        if idx.dtype != torch.int32 or idx.dim() != 1:
+            raise FrameError("slice indices must be a 1-D int32 tensor")
+        idx = idx.to(torch.int64)
+        bad = idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= numel)
+        if bad or bool((idx % world != rank).any()):
+            raise FrameError("slice indices outside this replica's slice")
+        return idx
+    b = tensors.get("b")
+    if b is None or b.dtype != torch.uint8 or b.dim() != 1 or b.numel() != (n_r + 7) // 8:
+        raise FrameError("slice bitmap has the wrong size or dtype")
+    shifts = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
+    bits = ((b.unsqueeze(1) >> shifts) & 1).reshape(-1)[:n_r]
+    return torch.nonzero(bits, as_tuple=False).reshape(-1) * world + rank
+
+
+class ScapeSync:
+    """One replica's side of SCAPE (see the module docstring); its ``step`` replaces AdamW."""
+
+    def __init__(self, runtime, density: float, timeout: float):
+        self.rt = runtime
+        self.density, self.timeout = float(density), float(timeout)
+        self.params = runtime.params
+        self.segments = [p.numel() for p in self.params]
+        self.numel = sum(self.segments)
+        self.m = torch.zeros(self.numel)
+        self.err = torch.zeros(self.numel)
+        self.own_slice: torch.Tensor | None = None  # this replica's part of the next mask
+        self.slice_group: list[str] = []  # peers that owe us their slice of the next mask
+        self.inbox: dict[tuple[str, int], dict[str, Frame]] = defaultdict(dict)
+        self._cond: asyncio.Condition | None = None
+        self.records: list[dict] = []
+        self.values_bytes = self.mask_bytes = 0
+        self.alone = self.missing = self.mismatched = self.refused = 0
+
+    # ------------------------------------------------------------------ network
+    def _condition(self) -> asyncio.Condition:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    async def handle(self, stream_info, reader, writer) -> None:
+        rt = self.rt
+        sender = str(stream_info.peer_id)
+        try:
+            frame = decode_frame(
+                await rt.wire.recv(reader, MAX_FRAME_BYTES, rt.cfg.hop_timeout), run_id=rt.run.run_id
+            )
+            phase = frame.meta.get("phase")
+            if frame.kind != "scape" or phase not in ("values", "mask") or frame.boundary != rt.index:
+                raise FrameError("expected a scape frame of this stage")
+            if phase == "values":
+                v = frame.tensors.get("v")
+                if v is None or v.dtype != torch.bfloat16 or v.dim() != 1 or v.numel() > self.numel:
+                    raise FrameError("scape values malformed")
+            cond = self._condition()
+            async with cond:
+                if frame.step + _KEEP_STEPS >= rt.inner_step:
+                    self.inbox[(phase, frame.step)][sender] = frame
+                cond.notify_all()
+        except Exception as e:
+            self.refused += 1
+            log.info("scape message from %s refused: %s", sender[:12], e)
+        finally:
+            close_quietly(writer)
+
+    async def _send(self, peer: str, frame: Frame) -> int:
+        rt = self.rt
+        data = encode_frame(frame)
+        try:
+            _, _, writer = await asyncio.wait_for(
+                rt.p2p.call_binary_stream_handler(PeerID.from_base58(peer), SCAPE_HANDLER), self.timeout
+            )
+        except Exception as e:
+            log.info("scape: cannot reach %s: %s", peer[:12], type(e).__name__)
+            return 0
+        try:
+            return await rt.wire.send(writer, data, self.timeout)
+        except Exception as e:
+            log.info("scape: sending to %s failed: %s", peer[:12], type(e).__name__)
+            return 0
+        finally:
+            close_quietly(writer)
+
+    async def _broadcast(self, peers: list[str], frame: Frame) -> int:
+        sent = await asyncio.gather(*(self._send(p, frame) for p in peers))
+        return int(sum(sent))
+
+    async def _collect(self, phase: str, step: int, peers: list[str]) -> dict[str, Frame]:
+        """Frames of (phase, step) from ``peers``: all of them, or those in by the deadline."""
+        cond = self._condition()
+        want = set(peers)
+        async with cond:
+            try:
+                await asyncio.wait_for(
+                    cond.wait_for(lambda: want <= set(self.inbox.get((phase, step), {}))), self.timeout
+                )
+            except asyncio.TimeoutError:
+                pass
+            got = {p: f for p, f in self.inbox.get((phase, step), {}).items() if p in want}
+            for key in [k for k in self.inbox if k[1] < step - _KEEP_STEPS]:
+                del self.inbox[key]
+        self.missing += len(want) - len(got)
+        return got
+
+    # ------------------------------------------------------------------ compute (worker thread)
+    def _local_acc(self) -> tuple[torch.Tensor, bool]:
+        rt = self.rt
+        n = max(rt._acc_micro, 1)
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.div_(n)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, rt.run.clip)
+        ok = bool(torch.isfinite(norm))
+        if ok:
+            g = torch.cat(
+                [
+                    (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
+                    for p in self.params
+                ]
+            )
+        else:  # a non-finite gradient never reaches the weights: this replica contributes zeros
+            g = torch.zeros(self.numel)
+        rt.opt.zero_grad(set_to_none=True)
+        return g + self.err, ok
+
+    def _apply(
+        self, acc: torch.Tensor, mask: torch.Tensor | None, mean: torch.Tensor, rank: int, world: int
+    ) -> tuple[torch.Tensor | None, int]:
+        run = self.rt.run
+        flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in self.params])
+        if mask is None:
+            self.err.zero_()
+        else:
+            acc[mask] = 0.0
+            self.err = acc
+        adams_masked_step_(flat, self.m, mean, mask, run.lr, BETAS, EPS, run.weight_decay)
+        self._write(flat)
+        nxt = None
+        if self.density < 1.0:
+            scores = mask_scores(self.m, self.err, BETAS[0])
+            nxt = next_mask(scores, self.density, (rank, world), self.segments)
+        return nxt, param_digest(flat)
+
+    def _alone(self, acc: torch.Tensor) -> int:
+        run = self.rt.run
+        flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in self.params])
+        adams_step_(flat, acc, self.m, run.lr, BETAS, EPS, run.weight_decay)
+        self.err.zero_()
+        self._write(flat)
+        return param_digest(flat)
+
+    @torch.no_grad()
+    def _write(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.copy_(flat[offset : offset + n].view_as(p).to(p.dtype))
+            offset += n
+
+    # ------------------------------------------------------------------ one inner step
+    async def step(self, t: int) -> bool:
+        rt = self.rt
+        t0 = time.perf_counter()
+        acc, ok = await rt.compute(self._local_acc)
+        await rt.refresh_routes()
+        peers = sorted(fast_peers_of_stage(rt))
+        record = {"step": t, "group": 1, "nnz": self.numel, "values_bytes": 0, "mask_bytes": 0}
+        if not peers:  # alone on the stage: a plain AdamS step on our own gradient
+            self.alone += 1
+            self.own_slice, self.slice_group = None, []
+            record["digest"] = await rt.compute(self._alone, acc)
+            record["seconds"] = time.perf_counter() - t0
+            self.records.append(record)
+            return ok
+        mask = None
+        if self.own_slice is not None:
+            slices = await self._collect("mask", t - 1, self.slice_group)
+            parts = [self.own_slice]
+            for f in slices.values():
+                try:
+                    parts.append(
+                        decode_slice(f.tensors, int(f.meta["rank"]), int(f.meta["world"]), self.numel)
+                    )
+                except (FrameError, KeyError, ValueError) as e:
+                    log.info("scape: a slice of step %d is unusable: %s", t - 1, e)
+            mask = torch.sort(torch.cat(parts)).values
+        digest = mask_digest(mask, self.numel)
+        own = (acc if mask is None else acc[mask]).to(torch.bfloat16)
+        frame = Frame(
+            kind="scape",
+            run_id=rt.run.run_id,
+            step=t,
+            boundary=rt.index,
+            tensors={"v": own},
+            meta={"phase": "values", "digest": digest},
+        )
+        await rt.gate.set_refusing(True)  # upstream sends microbatches to the replicas still computing
+        try:
+            sent = await self._broadcast(peers, frame)
+            got = await self._collect("values", t, peers)
+        finally:
+            await rt.gate.set_refusing(False)
+        values = {rt.peer_id: own}
+        for peer, f in got.items():
+            v = f.tensors["v"]
+            if f.meta.get("digest") != digest or v.numel() != own.numel():
+                self.mismatched += 1
+                continue
+            values[peer] = v
+        group = sorted(values)
+        mean = torch.zeros(own.numel())
+        for peer in group:  # the same numbers in the same order on every member: identical results
+            mean += values[peer].float()
+        mean /= len(group)
+        rank, world = group.index(rt.peer_id), len(group)
+        self.own_slice, digest_after = await rt.compute(self._apply, acc, mask, mean, rank, world)
+        others = [p for p in group if p != rt.peer_id]
+        mask_sent = 0
+        if self.own_slice is not None and others:
+            sl = Frame(
+                kind="scape",
+                run_id=rt.run.run_id,
+                step=t,
+                boundary=rt.index,
+                tensors=encode_slice(self.own_slice, rank, world, self.numel),
+                meta={"phase": "mask", "rank": rank, "world": world},
+            )
+            mask_sent = await self._broadcast(others, sl)
+        if not others:
+            self.alone += 1
+            self.own_slice = None  # nobody to agree a mask with: the next step starts dense again
+        self.slice_group = others
+        self.values_bytes += sent
+        self.mask_bytes += mask_sent
+        record.update(
+            group=world,
+            nnz=int(own.numel()),
+            dense=mask is None,
+            values_bytes=sent,
+            mask_bytes=mask_sent,
+            digest=digest_after,
+            seconds=time.perf_counter() - t0,
+        )
+        self.records.append(record)
+        return ok
+
+    def summary(self) -> dict:
+        return {
+            "mode": "scape",
+            "density": self.density,
+            "numel": self.numel,
+            "segments": len(self.segments),
+            "bytes": self.values_bytes + self.mask_bytes,
+            "values_bytes": self.values_bytes,
+            "mask_bytes": self.mask_bytes,
+            "steps": len(self.records),
+            "alone": self.alone,
+            "missing": self.missing,
+            "mismatched": self.mismatched,
+            "refused": self.refused,
+            "records": self.records[-500:],
+        }
