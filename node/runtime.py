@@ -379,6 +379,8 @@ class StageRuntime:
             extra["filter"] = self.filter.state_dict()
         if self.outer is not None:
             extra["outer"] = self.outer.state_dict()
+        if self.scape is not None:
+            extra["scape"] = self.scape.state_dict()
         return clone_state(
             {
                 "stage_state": self.stage.state_dict(),
@@ -428,6 +430,8 @@ class StageRuntime:
             self.filter.load_state_dict(ck.extra_states["filter"])
         if self.outer is not None and "outer" in ck.extra_states:
             self.outer.load_state_dict(ck.extra_states["outer"])
+        if self.scape is not None and "scape" in ck.extra_states:
+            self.scape.load_state_dict(ck.extra_states["scape"])
         self.inner_step = int(c["inner_step"])
         self.metrics.trained_tokens = int(c.get("trained_tokens", 0))
         self.resumed_from = int(c["inner_step"])

@@ -30,9 +30,10 @@ included) and kept per step with the group size, the mask size and a CRC of the 
 after the step, so a report can check that synchronised replicas hold the same weights.
 A replica alone on its stage takes a plain AdamS step on its own gradient (``alone``).
 
-Not done: the error buffer and first moments are not checkpointed, and a replica joining a
-running stage pulls weights but not m and e (its first steps then disagree with the others'
-masks and are refused until it catches up).
+The first moments and the error buffer are checkpointed with the stage (``state_dict``).
+Not done: a replica joining a running stage pulls weights (in bf16) but not m and e, so it
+does not become bit-identical to the others; its masks and values are refused by digest
+(``mismatched``) where they disagree, and nothing re-anchors it.
 """
 
 from __future__ import annotations
@@ -333,6 +334,17 @@ class ScapeSync:
         )
         self.records.append(record)
         return ok
+
+    def state_dict(self) -> dict:
+        """First moments and error buffer (checkpointed with the stage; the mask is agreed afresh)."""
+        return {"m": self.m, "err": self.err}
+
+    def load_state_dict(self, sd: dict) -> None:
+        m, err = sd["m"], sd["err"]
+        if m.shape != self.m.shape or err.shape != self.err.shape:
+            raise ValueError("scape state does not match this stage's parameters")
+        self.m, self.err = m.float().clone(), err.float().clone()
+        self.own_slice, self.slice_group = None, []  # the first step after a resume syncs densely
 
     def summary(self) -> dict:
         return {

@@ -37,6 +37,25 @@ def test_a_missing_replica_costs_one_deadline_then_is_counted():
     assert got == {} and s.missing == 1 and 0.25 <= waited < 2.0
 
 
+def test_scape_state_survives_a_checkpoint(tmp_path):
+    from node.checkpoint import load_checkpoint, save_checkpoint
+
+    s = object.__new__(ScapeSync)
+    s.m, s.err = torch.zeros(7), torch.zeros(7)
+    m, err = torch.randn(7), torch.randn(7)
+    path = save_checkpoint(
+        tmp_path,
+        stage_state={"w": torch.ones(2)},
+        optimizer_state={},
+        extra_states={"scape": {"m": m, "err": err}},
+        counters={"inner_step": 3},
+    )
+    s.load_state_dict(load_checkpoint(path).extra_states["scape"])
+    assert torch.equal(s.m, m) and torch.equal(s.err, err) and s.own_slice is None
+    with pytest.raises(ValueError):
+        s.load_state_dict({"m": torch.zeros(8), "err": torch.zeros(8)})
+
+
 @pytest.fixture(scope="module")
 def scape_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("scape") / "run"
