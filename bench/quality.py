@@ -45,6 +45,7 @@ import torch
 
 from compression.codec import DenseCodec, LinkCodec, LinkContext, Payload, apply_link, payload_nbytes
 from compression.mask import is_dense_step
+from compression.outlier import OutlierMaskCodec, fit_outlier_channels
 from compression.pca import PcaCodec, fit_basis, fit_joint_basis
 from compression.prf import mask_seed
 from compression.registry import make_codec
@@ -171,6 +172,10 @@ VARIANTS: dict[str, Variant] = {
         Variant("pca96g32i8", "pca", {"k": 96, "coeff_dtype": "int8", "grad_k": 32}),
         Variant("pca64g32i8", "pca", {"k": 64, "coeff_dtype": "int8", "grad_k": 32}),
         Variant("pca96g48i8", "pca", {"k": 96, "coeff_dtype": "int8", "grad_k": 48}),
+        # issue 9's pca+mask: top-48 of a 192-direction basis always, 48 more PRF-chosen per token
+        Variant("pcamask-t48r48p192i8", "pcamask", {"k": 192, "k_top": 48, "k_rand": 48}),
+        # issue 9's outlier-mask: 16 fixed high-|h| channels + M95 on the other 560 (28 kept)
+        Variant("outlier16-m95", "outliermask", {"n_outlier": 16, "rate": 0.95}),
         Variant("pca58i8+warmup10", "pca", {"k": 58, "coeff_dtype": "int8"}, warmup=10),
         Variant("pca58i8+cooldown4", "pca", {"k": 58, "coeff_dtype": "int8"}, cooldown=4),
         Variant("int4", "int4", {}),
@@ -303,7 +308,7 @@ def make_links(codecs: list[LinkCodec], run_seed: int, step: int, microbatch: in
         c = codecs[b]
         seed = mask_seed(run_seed, step, microbatch, b)
         inner = c.inner if isinstance(c, Metered) else c
-        ctx = inner.link_context(seed) if isinstance(inner, PcaCodec) else LinkContext(seed=seed)
+        ctx = inner.link_context(seed) if calibrated(inner) else LinkContext(seed=seed)
         return apply_link(h, c, ctx)
 
     return link
@@ -374,11 +379,27 @@ def exact_match(pipe: Pipeline, examples, tok, links_for=None, max_new: int = 6)
     return hits / len(examples), outs
 
 
+def calibrated(codec: LinkCodec) -> bool:
+    """Codecs holding per-boundary state fitted from the dense model (a PCA basis, including
+    pcamask's pool, or outliermask's channel set), published once and named by version."""
+    return isinstance(codec, (PcaCodec, OutlierMaskCodec))
+
+
+def fit_boundary(codec: LinkCodec, acts: torch.Tensor, grads: torch.Tensor | None, version: int) -> None:
+    """Install one boundary's fitted state from its calibration activations (and gradients)."""
+    if isinstance(codec, OutlierMaskCodec):
+        codec.set_channels(fit_outlier_channels(acts, codec.n_outlier), acts.shape[-1], version)
+    elif grads is not None:
+        codec.set_basis(*fit_joint_basis(acts, grads, codec.k, codec.grad_k), version)
+    else:
+        codec.set_basis(*fit_basis(acts, codec.k), version)
+
+
 def calibrate(pipe: Pipeline, codecs: list[Metered], calib: list[Example], tok, pad, version: int) -> float:
-    """Fit mean + basis per boundary from the dense model's activations on task examples
-    (and, for ``grad_k`` > 0, the gradients of the answer loss at each boundary)."""
+    """Fit each boundary's codec state (``fit_boundary``) from the dense model's activations on
+    task examples (and, for ``grad_k`` > 0, the gradients of the answer loss at each boundary)."""
     t = time.perf_counter()
-    grad_k = codecs[0].inner.grad_k
+    grad_k = getattr(codecs[0].inner, "grad_k", 0)
     acts: list[list[torch.Tensor]] = [[] for _ in codecs]
     grads: list[list[torch.Tensor]] = [[] for _ in codecs]
 
@@ -401,12 +422,7 @@ def calibrate(pipe: Pipeline, codecs: list[Metered], calib: list[Example], tok, 
                 for b, h in enumerate(pipe.hidden(ids, None)):
                     tap(b, h)
     for b, c in enumerate(codecs):
-        a = torch.cat(acts[b])
-        if grad_k:
-            mean, v = fit_joint_basis(a, torch.cat(grads[b]), c.inner.k, grad_k)
-        else:
-            mean, v = fit_basis(a, c.inner.k)
-        c.inner.set_basis(mean, v, version)
+        fit_boundary(c.inner, torch.cat(acts[b]), torch.cat(grads[b]) if grad_k else None, version)
     return time.perf_counter() - t
 
 
@@ -452,7 +468,7 @@ def run(
 
     codecs = [Metered(make_codec(variant.codec, **variant.settings)) for _ in RANGES[:-1]]
     dense_links = [Metered(DenseCodec("bfloat16")) for _ in RANGES[:-1]]
-    is_pca = variant.codec == "pca"
+    is_pca = calibrated(codecs[0].inner)  # PCA bases and outlier channel sets alike
     calib_s, basis_version = 0.0, 0
     if is_pca and variant.warmup == 0:
         calib_s = calibrate(pipe, codecs, calib, tok, pad, basis_version)

@@ -19,6 +19,18 @@ def _pca(**kw) -> LinkCodec:
     return PcaCodec(**kw)
 
 
+def _pcamask(**kw) -> LinkCodec:
+    from compression.pcamask import PcaMaskCodec
+
+    return PcaMaskCodec(**kw)
+
+
+def _outliermask(**kw) -> LinkCodec:
+    from compression.outlier import OutlierMaskCodec
+
+    return OutlierMaskCodec(**kw)
+
+
 def _topk(**kw) -> LinkCodec:
     from compression.baselines import TopKCodec
 
@@ -53,6 +65,8 @@ CODECS: dict[str, Callable[..., LinkCodec]] = {
     "dense": DenseCodec,
     "mask": _mask,
     "pca": _pca,
+    "pcamask": _pcamask,
+    "outliermask": _outliermask,
     "topk": _topk,
     "int8": _int8,
     "int4": _int4,

@@ -99,7 +99,8 @@ def load_run_model(cfg: NodeConfig, run: RunRecord | None):
 
 
 def needs_basis(run: RunRecord) -> bool:
-    return run.codec.get("codec") == "pca"
+    """Codecs with a fitted basis of ``k`` directions (pcamask: its pool) calibrated at run start."""
+    return run.codec.get("codec") in ("pca", "pcamask")
 
 
 def calibrate_bases(cfg: NodeConfig, run: RunRecord, model, tok) -> list:
