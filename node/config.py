@@ -33,11 +33,12 @@ class NodeConfig:
     # the run (used when this node starts a new swarm; joiners read it from the DHT)
     model: str = "bundled"
     stages: int = 2
-    codec: str = "dense"
+    # the best >= 10x configuration measured (bench/results/quality.md): PCA k = 96, int8
+    codec: str = "pca"
     wire_dtype: str = "bfloat16"
     mask_rate: float = 0.95
     mask_rescale: bool = False
-    codec_k: int = 58  # pca / topk / bottleneck: coefficients or channels per token
+    codec_k: int = 96  # pca / topk / bottleneck: coefficients or channels per token (pca: <= hidden)
     pca_dtype: str = "int8"
     calibration_tokens: int = 2048  # tokens the run's starter uses to fit a basis codec
     dense_every: int = 0

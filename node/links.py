@@ -38,7 +38,10 @@ def codec_settings(cfg: NodeConfig, model=None) -> dict:
     elif name == "mask":
         kw = {"rate": cfg.mask_rate, "wire_dtype": cfg.wire_dtype, "rescale": cfg.mask_rescale}
     elif name == "pca":
-        kw = {"k": cfg.codec_k, "coeff_dtype": cfg.pca_dtype}
+        k = cfg.codec_k
+        if model is not None:  # the default k = 96 on a model narrower than that: keep every direction
+            k = min(k, model.config.hidden_size)
+        kw = {"k": k, "coeff_dtype": cfg.pca_dtype}
     elif name in ("topk", "bottleneck"):
         kw = {"k": cfg.codec_k}
     else:

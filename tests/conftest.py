@@ -15,8 +15,13 @@ def tiny_model():
     return load_model("tiny:4", seed=0)[0]
 
 
-def run_swarm(report_dir, *args: str, timeout: float = 420) -> dict:
-    """`python -m node swarm ... --report DIR` as a user runs it; returns the parsed report.json."""
+def run_swarm(report_dir, *args: str, timeout: float = 420, codec: str | None = "dense") -> dict:
+    """`python -m node swarm ... --report DIR` as a user runs it; returns the parsed report.json.
+
+    ``codec`` goes first, so a ``--codec`` in ``args`` overrides it; dense unless a test is about
+    codecs (the default codec, PCA, adds a calibration and basis fetches to every start-up);
+    None runs the default codec as a user gets it.
+    """
     import json
     import subprocess
     import sys
@@ -26,6 +31,7 @@ def run_swarm(report_dir, *args: str, timeout: float = 420) -> dict:
         "-m",
         "node",
         "swarm",
+        *(["--codec", codec] if codec else []),
         *args,
         "--report",
         str(report_dir),

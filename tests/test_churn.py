@@ -22,7 +22,21 @@ def _wait(cond, timeout: float, what: str):
 
 def test_kill_a_replica_swarm_continues_and_node_rejoins(tmp_path):
     args = build_parser().parse_args(
-        ["swarm", "--nodes", "5", "--stages", "2", "--model", "tiny:4", "--lr", "1e-3", "--hop-timeout", "10"]
+        [
+            "swarm",
+            "--nodes",
+            "5",
+            "--stages",
+            "2",
+            "--model",
+            "tiny:4",
+            "--codec",
+            "dense",
+            "--lr",
+            "1e-3",
+            "--hop-timeout",
+            "10",
+        ]
     )
     run_id = f"churn-{os.getpid()}"
     procs, stages = [], []

@@ -10,7 +10,7 @@ PARAGRAPH = (
 )
 
 
-def _swarm(tmp, name, *extra, steps=12, stages=2, nodes=2, model="tiny:2:640"):
+def _swarm(tmp, name, *extra, steps=12, stages=2, nodes=2, model="tiny:2:640", codec="dense"):
     data = tmp / "text.txt"
     if not data.exists():
         data.write_text("\n\n".join(PARAGRAPH * 2 for _ in range(50)))
@@ -37,6 +37,7 @@ def _swarm(tmp, name, *extra, steps=12, stages=2, nodes=2, model="tiny:2:640"):
         str(data),
         *extra,
         timeout=400,
+        codec=codec,
     )
 
 
@@ -58,7 +59,8 @@ def runs(tmp_path_factory):
             "--anchor-pull-every",
             "4",
         ),
-        "pca": _swarm(tmp, "pca", "--codec", "pca", "--codec-k", "32", stages=3, nodes=3, model="tiny:3:640"),
+        # no --codec: the default a user gets (PCA, k = 96, int8)
+        "pca": _swarm(tmp, "pca", stages=3, nodes=3, model="tiny:3:640", codec=None),
     }
 
 
@@ -96,8 +98,10 @@ def test_pca_swarm_trains_and_counts_basis_bytes(runs):
     loss = rep["loss"]
     assert sum(loss[-3:]) / 3 < 0.9 * sum(loss[:3]) / 3
     # each of the two non-starting nodes fetched the basis of each boundary it touches
-    h, k = 640, 32
+    h, k = 640, 96
     one_basis = (h + h * k) * 4
     assert rep["basis_bytes"] >= 2 * one_basis
     for (_, direction), bpt in _bpt(rep).items():
-        assert bpt < 32 + 2 + 8 + (2 if direction == "forward" else 0) + 6  # k int8 + block scale + header
+        # k int8 + 3 bf16 block scales, labels forward, header: >= 10x fewer than dense bf16 (1280)
+        assert k + 6 <= bpt < k + 6 + (2 if direction == "forward" else 0) + 6
+        assert bpt * 10 <= 2 * h
