@@ -180,6 +180,7 @@ VARIANTS: dict[str, Variant] = {
         Variant("pca58i8+cooldown4", "pca", {"k": 58, "coeff_dtype": "int8"}, cooldown=4),
         Variant("int4", "int4", {}),
         Variant("topk29", "topk", {"k": 29, "value_dtype": "bfloat16"}),
+        Variant("bottleneck29", "bottleneck", {"k": 29, "wire_dtype": "bfloat16"}),
     ]
 }
 
