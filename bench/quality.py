@@ -181,6 +181,10 @@ VARIANTS: dict[str, Variant] = {
         Variant("int4", "int4", {}),
         Variant("topk29", "topk", {"k": 29, "value_dtype": "bfloat16"}),
         Variant("bottleneck29", "bottleneck", {"k": 29, "wire_dtype": "bfloat16"}),
+        # diagnostics: which direction of PCA-96 int8 stops the word task from learning
+        Variant("pca96i8-fwd-only", "pca-oneway", {"direction": "forward", "k": 96, "coeff_dtype": "int8"}),
+        Variant("pca96i8-bwd-only", "pca-oneway", {"direction": "backward", "k": 96, "coeff_dtype": "int8"}),
+        Variant("pca96bf16", "pca", {"k": 96, "coeff_dtype": "bfloat16"}),
     ]
 }
 
@@ -380,6 +384,52 @@ def exact_match(pipe: Pipeline, examples, tok, links_for=None, max_new: int = 6)
     return hits / len(examples), outs
 
 
+class PcaOneWay(PcaCodec):
+    """Diagnostic, not a codec to ship: PCA on one direction, dense bf16 on the other.
+
+    Separates where learning through PCA fails: ``forward`` compresses the activations and
+    sends the gradient dense (straight-through: the sender applies the receiver's dense
+    gradient as if the link were the identity); ``backward`` sends exact activations and
+    projects only the gradient, g V Vᵀ.
+    """
+
+    def __init__(self, direction: str, **kw):
+        if direction not in ("forward", "backward"):
+            raise ValueError(f"direction must be forward or backward, not {direction!r}")
+        super().__init__(**kw)
+        self.direction = direction
+
+    def encode_forward(self, h: torch.Tensor, ctx: LinkContext) -> Payload:
+        if self.direction == "forward":
+            return super().encode_forward(h, ctx)
+        return {"h": h.detach().to(torch.bfloat16)}
+
+    def decode_forward(self, payload: Payload, ctx: LinkContext, shape) -> torch.Tensor:
+        if self.direction == "forward":
+            return super().decode_forward(payload, ctx, shape)
+        return payload["h"].to(torch.float32).reshape(shape)
+
+    def encode_backward(self, g: torch.Tensor, ctx: LinkContext) -> Payload:
+        if self.direction == "backward":
+            return super().encode_backward(g, ctx)
+        return {"g": g.detach().to(torch.bfloat16)}
+
+    def decode_backward(self, payload: Payload, ctx: LinkContext, shape) -> torch.Tensor:
+        if self.direction == "backward":
+            return super().decode_backward(payload, ctx, shape)
+        return payload["g"].to(torch.float32).reshape(shape)
+
+    def bytes_per_token(self, hidden: int) -> float:
+        """Mean of the two directions (one PCA, one dense bf16)."""
+        return (super().bytes_per_token(hidden) + 2 * hidden) / 2
+
+
+def build_codec(variant: Variant) -> LinkCodec:
+    if variant.codec == "pca-oneway":
+        return PcaOneWay(**variant.settings)
+    return make_codec(variant.codec, **variant.settings)
+
+
 def calibrated(codec: LinkCodec) -> bool:
     """Codecs holding per-boundary state fitted from the dense model (a PCA basis, including
     pcamask's pool, or outliermask's channel set), published once and named by version."""
@@ -467,7 +517,7 @@ def run(
     evals = held_out(task, n_eval, {e.prompt for e in train})
     curve_eval = evals[:32]
 
-    codecs = [Metered(make_codec(variant.codec, **variant.settings)) for _ in RANGES[:-1]]
+    codecs = [Metered(build_codec(variant)) for _ in RANGES[:-1]]
     dense_links = [Metered(DenseCodec("bfloat16")) for _ in RANGES[:-1]]
     is_pca = calibrated(codecs[0].inner)  # PCA bases and outlier channel sets alike
     calib_s, basis_version = 0.0, 0
