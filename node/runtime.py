@@ -69,6 +69,7 @@ log = logging.getLogger("node")
 
 HANDLER = "vnode.forward"
 STEP_DRAIN_TIMEOUT_S = 120.0
+DROP_BACKOFF_S = 1.0  # head: pause after a dropped microbatch (a stage with no live peer fails them all)
 
 
 class HopFailed(RuntimeError):
@@ -714,6 +715,9 @@ class StageRuntime:
         except HopFailed as e:
             self.metrics.dropped += 1
             log.warning("dropped microbatch %x: %s", mb, e)
+            # holding the slot a moment keeps a head whose downstream stage has no live peer from
+            # drawing, computing and dropping microbatches as fast as it can (hundreds a minute)
+            await asyncio.sleep(DROP_BACKOFF_S)
             return
         finally:
             await self.gate.exit()
