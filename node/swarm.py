@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from node.cli import run_arg_flags
@@ -79,36 +80,86 @@ def node_command(
     return cmd
 
 
-def start_node(
-    args, i: int, report: Path, run_id: str, peers: list[str], circuit: str = "fast"
-) -> tuple[subprocess.Popen, dict]:
+def spawn_node(
+    args,
+    i: int,
+    report: Path,
+    run_id: str,
+    peers: list[str],
+    circuit: str = "fast",
+    extra: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> subprocess.Popen:
+    """Start node ``i`` in its own process group and return at once (``poll_ready`` says when it
+    has claimed a stage). ``extra`` flags go after the swarm's own; ``env`` adds variables."""
     nodedir = report / "nodes" / str(i)
     nodedir.mkdir(parents=True, exist_ok=True)
     for stale in ("ready.json", "metrics.json"):
         (nodedir / stale).unlink(missing_ok=True)
     log = open(nodedir / "node.log", "w")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        node_command(args, i, nodedir, run_id, peers, circuit),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env=env,
-        start_new_session=True,
-    )
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    try:
+        return subprocess.Popen(
+            node_command(args, i, nodedir, run_id, peers, circuit) + list(extra),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=full_env,
+            start_new_session=True,
+        )
+    finally:
+        log.close()  # the child holds its own copy
+
+
+def poll_ready(proc: subprocess.Popen, i: int, report: Path) -> dict | None:
+    """Node ``i``'s ready record once it has claimed a stage, None while it starts; SwarmError if it died."""
+    nodedir = report / "nodes" / str(i)
+    if (nodedir / "ready.json").exists():
+        return json.loads((nodedir / "ready.json").read_text())
+    if proc.poll() is not None:
+        raise SwarmError(
+            f"node {i} exited with code {proc.returncode} before claiming a stage:\n"
+            f"{_tail(nodedir / 'node.log')}"
+        )
+    return None
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a node and everything it started (its process group), and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc.poll() is None:
+        proc.wait(timeout=10)
+
+
+def start_node(
+    args,
+    i: int,
+    report: Path,
+    run_id: str,
+    peers: list[str],
+    circuit: str = "fast",
+    extra: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> tuple[subprocess.Popen, dict]:
+    """Start node ``i`` and wait until it has claimed a stage; a node that fails to is killed."""
+    proc = spawn_node(args, i, report, run_id, peers, circuit, extra, env)
     deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if (nodedir / "ready.json").exists():
-            return proc, json.loads((nodedir / "ready.json").read_text())
-        if proc.poll() is not None:
-            raise SwarmError(
-                f"node {i} exited with code {proc.returncode} before claiming a stage:\n"
-                f"{_tail(nodedir / 'node.log')}"
-            )
-        time.sleep(0.2)
-    raise SwarmError(
-        f"node {i} did not claim a stage within {READY_TIMEOUT_S:.0f}s; see {nodedir / 'node.log'}"
-    )
+    try:
+        while time.monotonic() < deadline:
+            ready = poll_ready(proc, i, report)
+            if ready is not None:
+                return proc, ready
+            time.sleep(0.2)
+        raise SwarmError(
+            f"node {i} did not claim a stage within {READY_TIMEOUT_S:.0f}s; "
+            f"see {report / 'nodes' / str(i) / 'node.log'}"
+        )
+    except BaseException:  # the caller never got the process: do not leave it behind
+        kill_group(proc)
+        raise
 
 
 def stop_nodes(procs: list[subprocess.Popen], stages: list[int]) -> None:
@@ -126,12 +177,7 @@ def stop_nodes(procs: list[subprocess.Popen], stages: list[int]) -> None:
                 pass
     for p in procs:
         # a node that ignored SIGTERM, and anything it started (DHT process, p2pd), goes with its group
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if p.poll() is None:
-            p.wait(timeout=10)
+        kill_group(p)
 
 
 def read_metrics(report: Path, n: int) -> list[dict]:
