@@ -64,6 +64,18 @@ def train_dense(model, tok, task: str, steps: int, seed: int) -> None:
             print(f"  dense step {step + 1}/{steps} loss {float(loss.detach()):.3f}", flush=True)
 
 
+@torch.no_grad()
+def boundary_activations(pipe: Pipeline, calib, tok, pad: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Token ids (N,) and each boundary's activations (N, H) over the calibration examples."""
+    acts: list[list[torch.Tensor]] = [[] for _ in range(3)]
+    toks = []
+    for ids, _ in batches(calib, tok, pad):
+        toks.append(ids.reshape(-1))
+        for b, h in enumerate(pipe.hidden(ids, None)):
+            acts[b].append(h.reshape(-1, h.shape[-1]).float())
+    return torch.cat(toks), [torch.cat(a) for a in acts]
+
+
 def quantize(c: torch.Tensor, bits: int | None) -> torch.Tensor:
     if bits is None:
         return c
@@ -76,29 +88,31 @@ def main(argv=None) -> int:
     p.add_argument("--task", default="word", choices=["arithmetic", "word"])
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--basis-from",
+        default="trained",
+        choices=["trained", "pretrained"],
+        help="fit the bases on the fine-tuned weights' activations, or on the pretrained model's "
+        "(what a basis fitted once at the start of a run is)",
+    )
     p.add_argument("--out", default="bench/results/codec_probe.json")
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
     model, tok, _ = load_model("bundled")
     e0 = model.model.embed_tokens.weight.detach().float().clone()  # pretrained: every peer has it
-    model.train()
-    t0 = time.perf_counter()
-    train_dense(model, tok, args.task, args.steps, args.seed)
-    model.eval()
     pad = tok.eos_token_id
-    pipe = Pipeline(model)
     cs = task_stream(args.task, args.seed + 7_000_003)
     calib = [next(cs) for _ in range(CALIB_EXAMPLES)]
     evals = held_out(args.task, 200, set())
-    acts: list[list[torch.Tensor]] = [[] for _ in range(3)]
-    toks = []
-    with torch.no_grad():
-        for ids, _ in batches(calib, tok, pad):
-            toks.append(ids.reshape(-1))
-            for b, h in enumerate(pipe.hidden(ids, None)):
-                acts[b].append(h.reshape(-1, h.shape[-1]).float())
-    tok_ids = torch.cat(toks)
-    x_all = [torch.cat(a) for a in acts]
+    t0 = time.perf_counter()
+    if args.basis_from == "pretrained":
+        tok_ids, x_all = boundary_activations(Pipeline(model), calib, tok, pad)
+    model.train()
+    train_dense(model, tok, args.task, args.steps, args.seed)
+    model.eval()
+    pipe = Pipeline(model)
+    if args.basis_from == "trained":
+        tok_ids, x_all = boundary_activations(pipe, calib, tok, pad)
     z_cal = torch.cat([e0[tok_ids], torch.ones(len(tok_ids), 1)], 1)
     fits = {}
     for k in sorted({v[1] for v in VARIANTS}):
@@ -136,7 +150,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = json.loads(out.read_text()) if out.exists() else []
-    results.append({"task": args.task, "steps": args.steps, "seed": args.seed, "rows": rows,
+    results.append({"task": args.task, "steps": args.steps, "seed": args.seed, "basis_from": args.basis_from,
+                    "rows": rows,
                     "wall_s": time.perf_counter() - t0})  # fmt: skip
     out.write_text(json.dumps(results, indent=1))
     return 0

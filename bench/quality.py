@@ -123,6 +123,7 @@ class Variant:
     dense_every: int = 0  # is_dense_step(step, dense_every): a dense bf16 step
     warmup: int = 0  # first `warmup` steps dense, then the codec (PCA calibrated at the switch)
     cooldown: int = 0  # last `cooldown` steps dense
+    refresh: int = 0  # basis codecs: refit and republish the basis every `refresh` steps
     anchor: dict | None = None  # anchor priors: SpectralFilter settings + schedule
     note: str = ""
 
@@ -135,6 +136,8 @@ class Variant:
             parts.append(f"dense-warmup-{self.warmup}")
         if self.cooldown:
             parts.append(f"dense-cooldown-{self.cooldown}")
+        if self.refresh:
+            parts.append(f"basis-refresh-{self.refresh}")
         if self.anchor:
             a = self.anchor
             tau = f"tau={a['tau']}" + ("*s1" if a.get("tau_relative") else "")
@@ -186,6 +189,7 @@ VARIANTS: dict[str, Variant] = {
         Variant("pca96i8-bwd-only", "pca-oneway", {"direction": "backward", "k": 96, "coeff_dtype": "int8"}),
         Variant("pca96bf16", "pca", {"k": 96, "coeff_dtype": "bfloat16"}),
         Variant("pca96i8-2bases", "pca-2bases", {"k": 96, "coeff_dtype": "int8"}),
+        Variant("pca96i8+refresh10", "pca", {"k": 96, "coeff_dtype": "int8"}, refresh=10),
     ]
 }
 
@@ -581,6 +585,10 @@ def run(
         dense_now = is_dense_step(step, variant.dense_every) or step < variant.warmup or in_cooldown
         if is_pca and variant.warmup and step == variant.warmup:
             calib_s = calibrate(pipe, codecs, calib, tok, pad, basis_version)
+        if is_pca and variant.refresh and step > variant.warmup and step % variant.refresh == 0:
+            # the sender refits from the current weights; a new version is published and paid again
+            basis_version += 1
+            calib_s += calibrate(pipe, codecs, calib, tok, pad, basis_version)
         if variant.codec == "dense":
             dense_now = False  # the codec is the dense link itself
         links_used = dense_links if dense_now else codecs
@@ -676,7 +684,7 @@ def run(
     counted = {
         d: sum(c.bytes[d] for c in meters) / max(sum(c.tokens[d] for c in meters), 1) for d in ("fwd", "bwd")
     }
-    basis_bytes = codecs[0].inner.basis_nbytes(HIDDEN) if is_pca else 0
+    basis_bytes = codecs[0].inner.basis_nbytes(HIDDEN) * (basis_version + 1) if is_pca else 0
     basis_bpt = basis_bytes / max(wire_tokens, 1)
     rec = {
         "variant": variant.name,
