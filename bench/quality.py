@@ -190,6 +190,7 @@ VARIANTS: dict[str, Variant] = {
         Variant("pca96bf16", "pca", {"k": 96, "coeff_dtype": "bfloat16"}),
         Variant("pca96i8-2bases", "pca-2bases", {"k": 96, "coeff_dtype": "int8"}),
         Variant("pca96i8+refresh10", "pca", {"k": 96, "coeff_dtype": "int8"}, refresh=10),
+        Variant("pca96i8+warmup10", "pca", {"k": 96, "coeff_dtype": "int8"}, warmup=10),
     ]
 }
 
