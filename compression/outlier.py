@@ -25,7 +25,7 @@ import torch
 
 from compression.codec import LinkContext, Payload
 from compression.mask import MaskCodec
-from compression.pca import BasisVersionError
+from compression.pca import BasisVersionError, VersionedState
 from compression.prf import k_for_rate, select_channels
 
 
@@ -41,10 +41,11 @@ def fit_outlier_channels(samples: torch.Tensor, n: int) -> torch.Tensor:
     return torch.sort(order[:n]).values.to(torch.int64)
 
 
-class OutlierMaskCodec(MaskCodec):
+class OutlierMaskCodec(VersionedState, MaskCodec):
     """``n_outlier`` fixed channels plus PRF-masked ones at ``rate``; see the module docstring."""
 
     codec_id = "outliermask"
+    _state_name = "outlier channels"
 
     def __init__(self, n_outlier: int, rate: float = 0.95, wire_dtype: str = "bfloat16"):
         super().__init__(rate=rate, wire_dtype=wire_dtype, rescale=False)
@@ -56,19 +57,6 @@ class OutlierMaskCodec(MaskCodec):
         self._order: list[int] = []
 
     # ---- the published channel set ----------------------------------------------------------
-
-    @property
-    def version(self) -> int | None:
-        return self._order[-1] if self._order else None
-
-    @property
-    def versions(self) -> tuple[int, ...]:
-        return tuple(self._order)
-
-    def link_context(self, seed: int = 0) -> LinkContext:
-        if self.version is None:
-            raise BasisVersionError("no outlier channels set")
-        return LinkContext(seed=seed, basis_version=self.version)
 
     def set_channels(self, channels: torch.Tensor, hidden: int, version: int) -> None:
         """Install the outlier set ``version`` of a boundary of width ``hidden`` as current; the

@@ -122,7 +122,34 @@ def should_refresh(
     return drift is not None and drift_threshold is not None and drift > drift_threshold
 
 
-class PcaCodec(LinkCodec):
+class VersionedState:
+    """The current and previous version of a boundary's fitted state (a basis, a channel set).
+
+    Subclasses keep ``_order`` (versions held, oldest first) and name the state in
+    ``_state_name`` for the error a frame gets before any state is set.
+    """
+
+    _order: list[int]
+    _state_name = "basis"
+
+    @property
+    def version(self) -> int | None:
+        """The current version (the one new frames should name), None before any."""
+        return self._order[-1] if self._order else None
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """Versions that still decode: (previous, current) once refreshed."""
+        return tuple(self._order)
+
+    def link_context(self, seed: int = 0) -> LinkContext:
+        """A context naming the current version, for a new frame."""
+        if self.version is None:
+            raise BasisVersionError(f"no {self._state_name} set")
+        return LinkContext(seed=seed, basis_version=self.version)
+
+
+class PcaCodec(VersionedState, LinkCodec):
     """Versioned fixed-basis PCA codec; see the module docstring.
 
     Payload per direction: ``q`` (T, k) int8 and ``scale`` (T, ceil(k/block)) in
@@ -171,22 +198,6 @@ class PcaCodec(LinkCodec):
         self._on_device: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ---- basis management -------------------------------------------------------------------
-
-    @property
-    def version(self) -> int | None:
-        """The current basis version (the one new frames should name), None before any."""
-        return self._order[-1] if self._order else None
-
-    @property
-    def versions(self) -> tuple[int, ...]:
-        """Versions that still decode: (previous, current) once refreshed."""
-        return tuple(self._order)
-
-    def link_context(self, seed: int = 0) -> LinkContext:
-        """A context naming the current basis, for a new frame."""
-        if self.version is None:
-            raise BasisVersionError("no basis set")
-        return LinkContext(seed=seed, basis_version=self.version)
 
     def set_basis(self, mean: torch.Tensor, v: torch.Tensor, version: int) -> None:
         """Install basis ``version`` as current; the former current stays decodable, older go.
