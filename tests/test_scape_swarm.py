@@ -78,6 +78,10 @@ def scape_run(tmp_path_factory):
         "scape",
         "--density",
         str(DENSITY),
+        # both replicas stay alive here: a generous deadline keeps a loaded CI machine from
+        # sending one replica on alone (which would make the replicas differ for a step)
+        "--dp-timeout",
+        "60",
         "--lr",
         "3e-3",
         "--seq-len",
