@@ -57,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import hashlib
 import logging
 import multiprocessing as mp
@@ -85,6 +86,7 @@ log = logging.getLogger("node")
 
 MODES = ("diloco", "gasloc")
 STATE_VERSION = 1
+AVERAGER_START_ATTEMPTS = 2  # hivemind's forked averager can deadlock at start-up; fork once more
 
 # Slots of the shared record between the host and the helper process (doubles; tokens < 2**53).
 _ACTIVE, _BYTES, _COMMITTED, _GROUP, _REANCHOR, _PAYLOAD, _ATTEMPTS = range(7)
@@ -484,7 +486,8 @@ class OuterSync:
         self._closed = False
 
         chunk = min(10.0, max(1.0, self.timeout / 4)) if next_chunk_timeout is None else next_chunk_timeout
-        self._avg = _OuterAverager(
+        make = functools.partial(
+            _OuterAverager,
             names=self.names,
             delta=self._delta,
             err=err,
@@ -513,7 +516,20 @@ class OuterSync:
         )
         previous = signal.getsignal(signal.SIGINT)
         try:
-            self._avg.run_in_background(await_ready=True, timeout=60.0)
+            for attempt in range(AVERAGER_START_ATTEMPTS):
+                self._avg = make()
+                try:
+                    self._avg.run_in_background(await_ready=True, timeout=60.0)
+                    break
+                except TimeoutError:
+                    # A child forked while another thread held one of hivemind's process-wide
+                    # locks never becomes ready (seen once in a fresh-clone test run, in a process with many
+                    # earlier averagers); kill it and fork a fresh one rather than fail the node.
+                    log.warning("outer averager not ready in 60 s (try %d); forking anew", attempt + 1)
+                    self._avg.kill()
+                    self._avg.join(5.0)
+                    if attempt == AVERAGER_START_ATTEMPTS - 1:
+                        raise
         finally:
             # run_in_background ignores SIGINT in this process too (it means the child); give it back
             signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
