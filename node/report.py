@@ -90,10 +90,17 @@ def dp_summary(metrics: list[dict], tokens: int) -> dict:
         common = sorted(set.intersection(*(set(p) for p in per)))
         synced = [t for t in common if all(p[t]["group"] == len(ms) for p in per)]
         equal = [t for t in synced if len({p[t]["digest"] for p in per}) == 1]
+        # a step some replica took alone (a missed exchange) makes them differ from then on:
+        # nothing re-anchors SCAPE replicas yet, so the bit-identity claim holds up to there
+        alone = [t for p in per for t, r in p.items() if r["group"] < len(ms)]
+        cut = min(alone) if alone else float("inf")
         consistency[str(stage)] = {
             "replicas": len(ms),
             "synced_steps": len(synced),
             "equal_steps": len(equal),
+            "first_step_alone": None if not alone else cut,
+            "synced_before_alone": sum(t < cut for t in synced),
+            "equal_before_alone": sum(t < cut for t in equal),
         }
     total = sum(m["dp"]["bytes"] for m in scape)
     return {
