@@ -391,11 +391,24 @@ def test_joining_peer_downloads_state(peers):
     ok, theta_c, lin_c = c.call("load", stage, 30.0, timeout=60)
     assert ok and lin_c == lin_a
     assert _max_abs(theta_c, theta_a) == 0.0
-    outs = _all(peers, lambda i: ("round", stage, 1), kwargs["timeout"] + SLACK_S)
-    for stats, _, _, _ in outs:
+    for k in (1, 2):  # a round no one commits (no group in time on a loaded host) is retried once
+        outs = _all(peers, lambda i, k=k: ("round", stage, k), kwargs["timeout"] + SLACK_S)
+        if any(not o[0]["skipped"] for o in outs):
+            break
+    committed = [o for o in outs if not o[0]["skipped"]]
+    assert committed, [o[0] for o in outs]
+    # The joiner's lineage equals the donor's, so the group averages without re-anchoring.
+    for stats, _, _, _ in committed:
         assert stats["group_size"] == 3 and not stats["reanchored"], stats
+    if len(committed) < len(outs):
+        # One member timed out receiving its averaged parts after the others had committed (an
+        # all-reduce has no commit phase; seen once in CI). Its lineage now differs, and the
+        # next round must re-anchor it and leave all three equal again.
+        outs = _all(peers, lambda i: ("round", stage, k + 1), kwargs["timeout"] + SLACK_S)
+        assert all(o[0]["group_size"] == 3 and o[0]["reanchored"] for o in outs), [o[0] for o in outs]
     got = [o[1] for o in outs]
     assert max(param_distance(got[0], g) for g in got[1:]) <= 1e-7
+    assert len({o[3] for o in outs}) == 1
     _all(peers, lambda i: ("close", stage), 60)
 
 

@@ -68,7 +68,8 @@ def test_links_counted_where_frames_are_written(swarm_report):
         # dense bf16: 2 bytes per channel per token, plus header (and int32 labels forward)
         assert 2 * hidden <= lk["bytes_per_token"] < 2 * hidden + 40, lk
     assert rep["tokens"] > 0
-    assert rep["dropped_microbatches"] >= 0
+    # no faults: nothing should drop; a rare hop timeout on a loaded host may, never many
+    assert rep["dropped_microbatches"] <= 0.05 * sum(rep["microbatches_per_peer"].values()), rep
 
 
 def test_report_has_plot_and_nothing_left_behind(swarm_report):
