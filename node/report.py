@@ -90,17 +90,18 @@ def dp_summary(metrics: list[dict], tokens: int) -> dict:
         common = sorted(set.intersection(*(set(p) for p in per)))
         synced = [t for t in common if all(p[t]["group"] == len(ms) for p in per)]
         equal = [t for t in synced if len({p[t]["digest"] for p in per}) == 1]
-        # a step some replica took alone (a missed exchange) makes them differ from then on:
-        # nothing re-anchors SCAPE replicas yet, so the bit-identity claim holds up to there
+        # a step some replica took alone (a missed exchange) makes them differ until the next
+        # exchange re-anchors them (node/scape.py); steps every replica recorded with the whole
+        # group, an adopted state included, must hold the same parameters everywhere
         alone = [t for p in per for t, r in p.items() if r["group"] < len(ms)]
-        cut = min(alone) if alone else float("inf")
         consistency[str(stage)] = {
             "replicas": len(ms),
             "synced_steps": len(synced),
             "equal_steps": len(equal),
-            "first_step_alone": None if not alone else cut,
-            "synced_before_alone": sum(t < cut for t in synced),
-            "equal_before_alone": sum(t < cut for t in equal),
+            "first_step_alone": min(alone) if alone else None,
+            "reanchored_steps": sorted(
+                {t for p in per for t, r in p.items() if r.get("reanchor") == "adopted"}
+            ),
         }
     total = sum(m["dp"]["bytes"] for m in scape)
     return {
@@ -113,6 +114,8 @@ def dp_summary(metrics: list[dict], tokens: int) -> dict:
         "alone_steps": sum(m["dp"]["alone"] for m in scape),
         "missing": sum(m["dp"]["missing"] for m in scape),
         "mismatched": sum(m["dp"]["mismatched"] for m in scape),
+        "reanchors": sum(m["dp"].get("reanchors", 0) for m in scape),
+        "anchor_bytes": sum(m["dp"].get("anchor_bytes", 0) for m in scape),
         "consistency": consistency,
     }
 

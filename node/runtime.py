@@ -923,6 +923,9 @@ class StageRuntime:
                 )
             else:
                 self.metrics.state_pull_bytes += pulled[1]
+                if self.scape is not None:  # bf16 weights without m and e: re-anchored at the first step
+                    self.scape.joined()
+                    self.inner_step = max(self.inner_step, pulled[0])
 
     async def _first_pull(self) -> None:
         """An anchor starts from a fast peer's current weights, not the pretrained ones."""

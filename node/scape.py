@@ -30,15 +30,26 @@ included) and kept per step with the group size, the mask size and a CRC of the 
 after the step, so a report can check that synchronised replicas hold the same weights.
 A replica alone on its stage takes a plain AdamS step on its own gradient (``alone``).
 
-The first moments and the error buffer are checkpointed with the stage (``state_dict``).
-Not done: a replica joining a running stage pulls weights (in bf16) but not m and e, so it
-does not become bit-identical to the others; its masks and values are refused by digest
-(``mismatched``) where they disagree, and nothing re-anchors it.
+Re-anchoring. Each replica carries a *lineage* (a hash chained over the group steps it took)
+and the count of steps applied to its state, both sent with its values. Replicas that took
+the same steps together hold the same lineage and bit-identical state. When the values of a
+step show different lineages (a replica that went alone after a missed exchange, one that
+joined mid-run and pulled only bf16 weights, one resumed from an older checkpoint), the group
+picks one (``winning_lineage``: most steps applied, then most holders, then the lowest peer
+id). Its holders take the step among themselves; the lowest-id holder (the donor) then sends
+its post-step weights, m and e in fp32 to the others, which drop their own gradient of that
+step and adopt the donor's state and lineage; the next step syncs densely, so no mask has
+to be agreed across the change. A replica behind in step count (a joiner, a resumed node)
+jumps to the step its peers' values name. Adoption costs 12 bytes per parameter, once.
+
+The first moments, the error buffer, the lineage and the step count are checkpointed with
+the stage (``state_dict``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import zlib
@@ -57,7 +68,44 @@ log = logging.getLogger("node")
 SCAPE_HANDLER = "vnode.scape"
 BETAS = (0.9, 0.95)
 EPS = 1e-8
+_PHASES = ("values", "mask", "anchor")
 _KEEP_STEPS = 4  # inbox entries older than this many steps are dropped
+ANCHOR_CHUNK = 16 * 1024 * 1024  # floats per re-anchoring frame (64 MiB, under MAX_FRAME_BYTES)
+INITIAL_LINEAGE = "init"  # replicas built from the same weights that have not stepped yet
+
+
+def next_lineage(lineage: str, step: int, tag: str) -> str:
+    """The lineage after one step: equal inputs (same state, same group, same mask) give equal outputs."""
+    return hashlib.blake2b(f"{lineage}|{step}|{tag}".encode(), digest_size=8).hexdigest()
+
+
+def winning_lineage(views: dict[str, tuple[str, int]]) -> str:
+    """The lineage a group re-anchors on, from each member's (lineage, steps applied).
+
+    Most steps applied first (a replica resumed from an old checkpoint, or one that pulled
+    only weights, must not roll the others back), then the most holders (keeps the majority's
+    state), then the one held by the lowest peer id (a deterministic tie-break every member
+    computes alike from the same views).
+    """
+    holders: dict[str, list[str]] = defaultdict(list)
+    applied: dict[str, int] = {}
+    for peer, (lin, n) in views.items():
+        holders[lin].append(peer)
+        applied[lin] = max(applied.get(lin, 0), int(n))
+    return min(holders, key=lambda lin: (-applied[lin], -len(holders[lin]), min(holders[lin])))
+
+
+def _anchor_key(frame: Frame) -> str:
+    """Inbox key of one re-anchoring chunk, after checking what the receiver will rely on."""
+    v, meta = frame.tensors.get("v"), frame.meta
+    chunk, chunks = meta.get("chunk"), meta.get("chunks")
+    if not (isinstance(chunk, int) and isinstance(chunks, int) and 0 <= chunk < chunks <= 1024):
+        raise FrameError("scape anchor chunk index malformed")
+    if v is None or v.dtype != torch.float32 or v.dim() != 1 or v.numel() > ANCHOR_CHUNK:
+        raise FrameError("scape anchor values malformed")
+    if not isinstance(meta.get("lineage"), str) or not isinstance(meta.get("applied"), int):
+        raise FrameError("scape anchor without lineage")
+    return f"anchor{chunk}"
 
 
 def mask_digest(mask: torch.Tensor | None, numel: int) -> int:
@@ -122,6 +170,8 @@ class ScapeSync:
         self.records: list[dict] = []
         self.values_bytes = self.mask_bytes = 0
         self.alone = self.missing = self.mismatched = self.refused = 0
+        self.lineage, self.applied = INITIAL_LINEAGE, 0
+        self.reanchors = self.anchor_bytes = self.anchor_received = 0  # sent by a donor / adopted
 
     # ------------------------------------------------------------------ network
     def _condition(self) -> asyncio.Condition:
@@ -137,12 +187,18 @@ class ScapeSync:
                 await rt.wire.recv(reader, MAX_FRAME_BYTES, rt.cfg.hop_timeout), run_id=rt.run.run_id
             )
             phase = frame.meta.get("phase")
-            if frame.kind != "scape" or phase not in ("values", "mask") or frame.boundary != rt.index:
+            if (
+                frame.kind != "scape"
+                or phase not in ("values", "mask", "anchor")
+                or frame.boundary != rt.index
+            ):
                 raise FrameError("expected a scape frame of this stage")
             if phase == "values":
                 v = frame.tensors.get("v")
                 if v is None or v.dtype != torch.bfloat16 or v.dim() != 1 or v.numel() > self.numel:
                     raise FrameError("scape values malformed")
+            if phase == "anchor":
+                phase = _anchor_key(frame)
             cond = self._condition()
             async with cond:
                 if frame.step + _KEEP_STEPS >= rt.inner_step:
@@ -248,6 +304,78 @@ class ScapeSync:
             p.copy_(flat[offset : offset + n].view_as(p).to(p.dtype))
             offset += n
 
+    # ------------------------------------------------------------------ re-anchoring
+    def _state_vector(self) -> torch.Tensor:
+        flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in self.params])
+        return torch.cat([flat, self.m, self.err])
+
+    def _adopt(self, state: torch.Tensor) -> int:
+        n = self.numel
+        flat = state[:n].clone()
+        self.m, self.err = state[n : 2 * n].clone(), state[2 * n :].clone()
+        self._write(flat)
+        return param_digest(flat)
+
+    async def _send_anchor(self, t: int, peers: list[str]) -> int:
+        """The donor's post-step state to the replicas that adopt it (fp32, in chunks)."""
+        state = await self.rt.compute(self._state_vector)
+        chunks = max(1, -(-state.numel() // ANCHOR_CHUNK))
+        sent = 0
+        for i in range(chunks):
+            frame = Frame(
+                kind="scape",
+                run_id=self.rt.run.run_id,
+                step=t,
+                boundary=self.rt.index,
+                tensors={"v": state[i * ANCHOR_CHUNK : (i + 1) * ANCHOR_CHUNK].contiguous()},
+                meta={
+                    "phase": "anchor",
+                    "chunk": i,
+                    "chunks": chunks,
+                    "lineage": self.lineage,
+                    "applied": self.applied,
+                },
+            )
+            sent += await self._broadcast(peers, frame)
+        return sent
+
+    async def _receive_anchor(self, t: int, donor: str) -> tuple[torch.Tensor, dict] | None:
+        """The donor's state of step t, or None if it did not all arrive in time."""
+        first = (await self._collect("anchor0", t, [donor])).get(donor)
+        if first is None:
+            return None
+        chunks = int(first.meta["chunks"])
+        parts = [first.tensors["v"]]
+        for i in range(1, chunks):
+            f = (await self._collect(f"anchor{i}", t, [donor])).get(donor)
+            if f is None or f.meta.get("lineage") != first.meta["lineage"]:
+                return None
+            parts.append(f.tensors["v"])
+        state = torch.cat(parts)
+        if state.numel() != 3 * self.numel or not bool(torch.isfinite(state).all()):
+            log.info("scape: the re-anchoring state from %s is unusable", donor[:12])
+            return None
+        return state, first.meta
+
+    def _catch_up(self, t: int, peers: list[str]) -> int:
+        """The step this replica should exchange at: later than t if its peers already sent values
+        for a later step (it joined, or resumed from an older checkpoint, and lags behind them)."""
+        ahead = [
+            s
+            for (phase, s), got in self.inbox.items()
+            if phase == "values" and s > t and set(got) & set(peers)
+        ]
+        return max(ahead, default=t)
+
+    async def _alone_step(self, t: int, acc: torch.Tensor) -> int:
+        self.alone += 1
+        self.own_slice, self.slice_group = None, []
+        self.lineage, self.applied = (
+            next_lineage(self.lineage, t, f"alone:{self.rt.peer_id}"),
+            self.applied + 1,
+        )
+        return await self.rt.compute(self._alone, acc)
+
     # ------------------------------------------------------------------ one inner step
     async def step(self, t: int) -> bool:
         rt = self.rt
@@ -257,12 +385,17 @@ class ScapeSync:
         peers = sorted(fast_peers_of_stage(rt))
         record = {"step": t, "group": 1, "nnz": self.numel, "values_bytes": 0, "mask_bytes": 0}
         if not peers:  # alone on the stage: a plain AdamS step on our own gradient
-            self.alone += 1
-            self.own_slice, self.slice_group = None, []
-            record["digest"] = await rt.compute(self._alone, acc)
+            record["digest"] = await self._alone_step(t, acc)
             record["seconds"] = time.perf_counter() - t0
             self.records.append(record)
             return ok
+        caught_up = self._catch_up(t, peers)
+        if caught_up != t:
+            log.info(
+                "scape: the stage's replicas are at step %d, this one at %d; joining them there", caught_up, t
+            )
+            t = rt.inner_step = caught_up  # the runtime counts on from here
+            record["step"] = t
         mask = None
         if self.own_slice is not None:
             slices = await self._collect("mask", t - 1, self.slice_group)
@@ -283,7 +416,7 @@ class ScapeSync:
             step=t,
             boundary=rt.index,
             tensors={"v": own},
-            meta={"phase": "values", "digest": digest},
+            meta={"phase": "values", "digest": digest, "lineage": self.lineage, "applied": self.applied},
         )
         await rt.gate.set_refusing(True)  # upstream sends microbatches to the replicas still computing
         try:
@@ -291,8 +424,34 @@ class ScapeSync:
             got = await self._collect("values", t, peers)
         finally:
             await rt.gate.set_refusing(False)
+        self.values_bytes += sent
+        views = {rt.peer_id: (self.lineage, self.applied)}
+        for peer, f in got.items():
+            lin, n = f.meta.get("lineage"), f.meta.get("applied")
+            if isinstance(lin, str) and isinstance(n, int):
+                views[peer] = (lin, n)
+        win = winning_lineage(views)
+        holders = sorted(p for p, v in views.items() if v[0] == win)
+        others_lineage = sorted(p for p in views if p not in holders)
+        if self.lineage != win:  # our state left the group's: take the donor's after its step
+            self.reanchors += 1
+            got_state = await self._receive_anchor(t, holders[0])
+            if got_state is None:  # no donor state in time: step alone, re-anchor at a later step
+                record["digest"] = await self._alone_step(t, acc)
+            else:
+                state, meta = got_state
+                record["digest"] = await rt.compute(self._adopt, state)
+                self.lineage, self.applied = meta["lineage"], int(meta["applied"])
+                self.own_slice, self.slice_group = None, []
+                self.anchor_received += state.numel() * 4
+                record.update(group=len(views), reanchor="adopted", donor=holders[0])
+            record.update(values_bytes=sent, seconds=time.perf_counter() - t0)
+            self.records.append(record)
+            return ok
         values = {rt.peer_id: own}
         for peer, f in got.items():
+            if peer not in holders:
+                continue
             v = f.tensors["v"]
             if f.meta.get("digest") != digest or v.numel() != own.numel():
                 self.mismatched += 1
@@ -305,9 +464,18 @@ class ScapeSync:
         mean /= len(group)
         rank, world = group.index(rt.peer_id), len(group)
         self.own_slice, digest_after = await rt.compute(self._apply, acc, mask, mean, rank, world)
+        self.lineage = next_lineage(self.lineage, t, f"{digest}:{','.join(group)}")
+        self.applied += 1
         others = [p for p in group if p != rt.peer_id]
         mask_sent = 0
-        if self.own_slice is not None and others:
+        if others_lineage:
+            # replicas on another lineage adopt our state now: the next step syncs densely, so the
+            # mask never has to be agreed across the change
+            self.own_slice = None
+            if rt.peer_id == holders[0]:
+                record["reanchor"] = "donor"
+                self.anchor_bytes += await self._send_anchor(t, others_lineage)
+        elif self.own_slice is not None and others:
             sl = Frame(
                 kind="scape",
                 run_id=rt.run.run_id,
@@ -321,7 +489,6 @@ class ScapeSync:
             self.alone += 1
             self.own_slice = None  # nobody to agree a mask with: the next step starts dense again
         self.slice_group = others
-        self.values_bytes += sent
         self.mask_bytes += mask_sent
         record.update(
             group=world,
@@ -335,15 +502,23 @@ class ScapeSync:
         self.records.append(record)
         return ok
 
+    def joined(self) -> None:
+        """This replica pulled the current weights (bf16, without m and e) from a running stage."""
+        self.lineage, self.applied = f"pulled:{self.rt.peer_id}", 0
+
     def state_dict(self) -> dict:
-        """First moments and error buffer (checkpointed with the stage; the mask is agreed afresh)."""
-        return {"m": self.m, "err": self.err}
+        """First moments, error buffer, lineage and steps applied (the mask is agreed afresh)."""
+        lineage = torch.frombuffer(bytearray(self.lineage.encode()), dtype=torch.uint8)
+        return {"m": self.m, "err": self.err, "lineage": lineage, "applied": torch.tensor(self.applied)}
 
     def load_state_dict(self, sd: dict) -> None:
         m, err = sd["m"], sd["err"]
         if m.shape != self.m.shape or err.shape != self.err.shape:
             raise ValueError("scape state does not match this stage's parameters")
         self.m, self.err = m.float().clone(), err.float().clone()
+        if "lineage" in sd:
+            self.lineage = bytes(sd["lineage"].to(torch.uint8).tolist()).decode()
+            self.applied = int(sd["applied"])
         self.own_slice, self.slice_group = None, []  # the first step after a resume syncs densely
 
     def summary(self) -> dict:
@@ -360,5 +535,9 @@ class ScapeSync:
             "missing": self.missing,
             "mismatched": self.mismatched,
             "refused": self.refused,
+            "reanchors": self.reanchors,
+            "anchor_bytes": self.anchor_bytes,
+            "anchor_received": self.anchor_received,
+            "lineage": self.lineage,
             "records": self.records[-500:],
         }
