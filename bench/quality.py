@@ -191,6 +191,11 @@ VARIANTS: dict[str, Variant] = {
         Variant("pca96i8-2bases", "pca-2bases", {"k": 96, "coeff_dtype": "int8"}),
         Variant("pca96i8+refresh10", "pca", {"k": 96, "coeff_dtype": "int8"}, refresh=10),
         Variant("pca96i8+warmup10", "pca", {"k": 96, "coeff_dtype": "int8"}, warmup=10),
+        # per-microbatch basis sent with the data (compression/lowrank.py): follows fine-tuning
+        Variant("lowrank64i8", "lowrank", {"k": 64, "coeff_dtype": "int8"}),
+        Variant("lowrank32i8", "lowrank", {"k": 32, "coeff_dtype": "int8"}),
+        Variant("lowrank64i8b8", "lowrank", {"k": 64, "coeff_dtype": "int8", "basis_dtype": "int8"}),
+        Variant("lowrank48i8b8", "lowrank", {"k": 48, "coeff_dtype": "int8", "basis_dtype": "int8"}),
     ]
 }
 
@@ -459,6 +464,17 @@ def grad_basis(grads: torch.Tensor, k: int) -> torch.Tensor:
     return vecs[:, -k:].flip(-1).to(torch.float32)
 
 
+def step_wire_bytes(codec: LinkCodec, n_tok: int, dense_now: bool) -> float:
+    """Payload bytes per boundary per direction of one step (mean of the two directions)."""
+    if dense_now:
+        return n_tok * DENSE_BPT
+    if hasattr(codec, "frame_bytes"):  # a per-frame basis: charged with every frame
+        return (
+            codec.frame_bytes(n_tok, HIDDEN, "forward") + codec.frame_bytes(n_tok, HIDDEN, "backward")
+        ) / 2
+    return n_tok * codec.bytes_per_token(HIDDEN)
+
+
 def build_codec(variant: Variant) -> LinkCodec:
     if variant.codec == "pca-oneway":
         return PcaOneWay(**variant.settings)
@@ -601,7 +617,7 @@ def run(
         loss.backward()
         n_tok = ids.numel()
         wire_tokens += n_tok
-        wire_bytes += n_tok * (DENSE_BPT if dense_now else codecs[0].bytes_per_token(HIDDEN))
+        wire_bytes += step_wire_bytes(codecs[0].inner, n_tok, dense_now)
 
         if filt is not None and not dense_now:
             a = variant.anchor

@@ -55,6 +55,12 @@ def _bottleneck(**kw) -> LinkCodec:
     return BottleneckCodec(**kw)
 
 
+def _lowrank(**kw) -> LinkCodec:
+    from compression.lowrank import LowRankCodec
+
+    return LowRankCodec(**kw)
+
+
 def _subspace(**kw) -> LinkCodec:
     from compression.subspace import SubspaceCodec
 
@@ -72,6 +78,7 @@ CODECS: dict[str, Callable[..., LinkCodec]] = {
     "int4": _int4,
     "bottleneck": _bottleneck,
     "subspace": _subspace,
+    "lowrank": _lowrank,
 }
 
 

@@ -1,0 +1,180 @@
+"""Per-microbatch low-rank link codec: the basis travels with the data, so it follows training.
+
+Why: a fixed PCA basis fitted at step 0 keeps the forward nearly exact but cuts the directions
+fine-tuning moves into (bench/results/quality.md, codec probe), and the upstream stages only
+ever get gradient inside it. Here every frame carries its own basis: the sender takes the top-k
+directions of *this* microbatch's rows and sends them with the k coefficients per token.
+
+Forward: rows X (T, H), mean μ (H,), V (H, k) = top-k eigenvectors of (X−μ)ᵀ(X−μ); payload μ,
+V (wire dtype) and C = (X−μ)V (int8 blocks or wire dtype); the receiver rebuilds μ + C Vᵀ.
+Backward: the gradient rows G get their own basis, top-k eigenvectors of GᵀG (uncentred:
+energy, not variance), and travel the same way without a mean. So each direction is the best
+rank-k approximation of what it carries (up to quantisation), whatever the weights are by now.
+
+Bytes per frame: H·2 (mean, forward only) + kH·w (+ 2k scales for an int8 basis) + T·(k +
+scales), with w the basis dtype's size; per token the basis costs kH·w/T, so it pays off for long
+microbatches (T ≫ H·w) and is charged honestly for short ones (``frame_bytes``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from compression.baselines import dequantize_blockwise, quantize_blockwise
+from compression.codec import WIRE_DTYPES, LinkCodec, LinkContext, Payload
+
+COEFF_DTYPES = ("int8", "bfloat16", "float32")
+BASIS_DTYPES = ("int8", "bfloat16", "float32")  # int8: one bf16 absmax scale per direction
+_NORM_TOL = 0.05  # decoded basis rows are unit vectors up to rounding; more is a malformed frame
+
+
+def top_directions(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """V (H, k): orthonormal top-k eigenvectors of rowsᵀrows, largest first, signs fixed.
+
+    The Gram matrix is H×H, so the cost is T·H² + H³ whatever T is. fp64 for the
+    eigensolver (fp32 Gram loses the tail ordering when the spectrum is steep). Each column's
+    largest-magnitude entry is made positive so the same rows always give the same V.
+    """
+    gram = (rows.T @ rows).to(torch.float64)
+    _, vecs = torch.linalg.eigh(gram)  # ascending
+    v = vecs[:, -k:].flip(-1)
+    pivot = v.abs().argmax(dim=0)
+    sign = torch.sign(v[pivot, torch.arange(v.shape[1], device=v.device)])
+    sign[sign == 0] = 1.0
+    return (v * sign).to(rows.dtype).contiguous()
+
+
+class LowRankCodec(LinkCodec):
+    """Top-k directions of each microbatch, sent with its coefficients (both directions)."""
+
+    codec_id = "lowrank"
+
+    def __init__(
+        self,
+        k: int = 64,
+        coeff_dtype: str = "int8",
+        block: int = 32,
+        scale_dtype: str = "bfloat16",
+        basis_dtype: str = "bfloat16",
+    ):
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        if coeff_dtype not in COEFF_DTYPES:
+            raise ValueError(f"coeff_dtype {coeff_dtype!r} not in {COEFF_DTYPES}")
+        if basis_dtype not in BASIS_DTYPES:
+            raise ValueError(f"basis_dtype {basis_dtype!r} not in {BASIS_DTYPES}")
+        if scale_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"scale_dtype {scale_dtype!r} must be bfloat16 or float32")
+        if block < 1:
+            raise ValueError(f"block must be >= 1, got {block}")
+        self.k, self.coeff_dtype, self.block = int(k), coeff_dtype, int(block)
+        self.scale_dtype, self.basis_dtype = scale_dtype, basis_dtype
+        self._sdtype = WIRE_DTYPES[scale_dtype]
+        self._bdtype = WIRE_DTYPES.get(basis_dtype, torch.bfloat16)  # the mean's dtype with an int8 basis
+
+    # ---- pieces shared by both directions ----------------------------------------------------
+
+    def _basis(self, rows: torch.Tensor) -> tuple[Payload, torch.Tensor]:
+        """The top directions as sent, and as both ends will use them (rounded first)."""
+        k = min(self.k, rows.shape[-1])
+        vt = top_directions(rows, k).T.contiguous()  # (k, H)
+        if self.basis_dtype == "int8":
+            q, scale = quantize_blockwise(vt, vt.shape[1], 8, torch.bfloat16)
+            return {"vq": q, "vscale": scale}, dequantize_blockwise(q, scale, vt.shape[1])
+        wire = vt.to(self._bdtype)
+        return {"v": wire}, wire.to(torch.float32)
+
+    def _basis_of(self, payload: Payload) -> torch.Tensor:
+        if self.basis_dtype == "int8":
+            q, scale = payload["vq"], payload["vscale"]
+            if q.dim() != 2 or scale.shape != (q.shape[0], 1):
+                raise ValueError("lowrank basis and its scales do not match")
+            vt = dequantize_blockwise(q, scale, q.shape[1])
+        else:
+            vt = payload["v"].to(torch.float32)
+        # unit rows keep decode a bounded operator, so the payload magnitude check bounds the output
+        if vt.dim() != 2 or vt.shape[0] > self.k or float(vt.norm(dim=1).max()) > 1 + _NORM_TOL:
+            raise ValueError("lowrank basis is not a set of at most k unit vectors")
+        return vt
+
+    def _encode(self, rows: torch.Tensor) -> Payload:
+        out, vt = self._basis(rows)
+        c = rows @ vt.T
+        if self.coeff_dtype == "int8":
+            q, scale = quantize_blockwise(c, self.block, 8, self._sdtype)
+            out.update(q=q, scale=scale)
+        else:
+            out["c"] = c.to(WIRE_DTYPES[self.coeff_dtype]).contiguous()
+        return out
+
+    def _decode(self, payload: Payload) -> torch.Tensor:
+        vt = self._basis_of(payload)
+        if self.coeff_dtype == "int8":
+            c = dequantize_blockwise(payload["q"], payload["scale"], self.block)
+        else:
+            c = payload["c"].to(torch.float32)
+        return c @ vt
+
+    # ---- the interface -----------------------------------------------------------------------
+
+    def encode_forward(self, h: torch.Tensor, ctx: LinkContext) -> Payload:
+        rows = h.detach().reshape(-1, h.shape[-1]).to(torch.float32)
+        mean = rows.mean(dim=0).to(self._bdtype)
+        out = self._encode(rows - mean.to(torch.float32))
+        out["mean"] = mean.contiguous()
+        return out
+
+    def decode_forward(self, payload: Payload, ctx: LinkContext, shape: tuple[int, ...]) -> torch.Tensor:
+        return (self._decode(payload) + payload["mean"].to(torch.float32)).reshape(shape)
+
+    def encode_backward(self, g: torch.Tensor, ctx: LinkContext) -> Payload:
+        return self._encode(g.detach().reshape(-1, g.shape[-1]).to(torch.float32))
+
+    def decode_backward(self, payload: Payload, ctx: LinkContext, shape: tuple[int, ...]) -> torch.Tensor:
+        return self._decode(payload).reshape(shape)
+
+    def coeff_bytes_per_token(self, hidden: int) -> float:
+        k = min(self.k, hidden)
+        if self.coeff_dtype == "int8":
+            return float(k + math.ceil(k / self.block) * self._sdtype.itemsize)
+        return float(k * WIRE_DTYPES[self.coeff_dtype].itemsize)
+
+    def frame_bytes(self, tokens: int, hidden: int, direction: str) -> int:
+        """Exact payload bytes of one frame of ``tokens`` rows ('forward' adds the mean)."""
+        k = min(self.k, hidden)
+        if self.basis_dtype == "int8":
+            basis = k * hidden + 2 * k  # int8 directions, one bf16 scale each
+        else:
+            basis = k * hidden * self._bdtype.itemsize
+        mean = hidden * self._bdtype.itemsize if direction == "forward" else 0
+        return int(basis + mean + tokens * self.coeff_bytes_per_token(hidden))
+
+    def bytes_per_token(self, hidden: int) -> float:
+        """Coefficients only: the per-frame basis depends on the frame's length (``frame_bytes``)."""
+        return self.coeff_bytes_per_token(hidden)
+
+    def describe(self) -> dict:
+        d = {
+            "codec": self.codec_id,
+            "k": self.k,
+            "coeff_dtype": self.coeff_dtype,
+            "basis_dtype": self.basis_dtype,
+        }
+        if self.coeff_dtype == "int8":
+            d.update(block=self.block, scale_dtype=self.scale_dtype)
+        return d
+
+    def payload_dtypes(self) -> dict[str, torch.dtype]:
+        d = (
+            {"vq": torch.int8, "vscale": torch.bfloat16}
+            if self.basis_dtype == "int8"
+            else {"v": self._bdtype}
+        )
+        d["mean"] = self._bdtype
+        if self.coeff_dtype == "int8":
+            d.update(q=torch.int8, scale=self._sdtype)
+        else:
+            d["c"] = WIRE_DTYPES[self.coeff_dtype]
+        return d

@@ -1,0 +1,80 @@
+"""Per-microbatch low-rank link codec (compression/lowrank.py): exactness, optimality, bytes, bad input."""
+
+import pytest
+import torch
+
+from compression.codec import LinkContext, apply_link, payload_nbytes
+from compression.lowrank import LowRankCodec, top_directions
+
+CTX = LinkContext()
+
+
+def _low_rank(t: int, h: int, r: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(t, r, generator=g) @ torch.randn(r, h, generator=g)
+
+
+def test_rank_k_input_round_trips_exactly_in_fp32():
+    c = LowRankCodec(k=8, coeff_dtype="float32", basis_dtype="float32")
+    mean = torch.randn(64)
+    h = (_low_rank(40, 64, 8, 0) + mean).reshape(4, 10, 64)  # rank 8 around a mean
+    out = c.decode_forward(c.encode_forward(h, CTX), CTX, tuple(h.shape))
+    assert torch.allclose(out, h, atol=1e-4), (out - h).abs().max()
+    g = _low_rank(40, 64, 8, 1).reshape(4, 10, 64)  # gradients: uncentred, rank 8
+    back = c.decode_backward(c.encode_backward(g, CTX), CTX, tuple(g.shape))
+    assert torch.allclose(back, g, atol=1e-4)
+
+
+def test_reconstruction_is_the_best_rank_k_approximation():
+    """Against an independent reference: the truncated SVD (Eckart-Young)."""
+    x = torch.randn(200, 48, generator=torch.Generator().manual_seed(2)) * torch.linspace(3, 0.1, 48)
+    c = LowRankCodec(k=12, coeff_dtype="float32", basis_dtype="float32")
+    rec = c.decode_backward(c.encode_backward(x, CTX), CTX, tuple(x.shape))
+    u, s, vh = torch.linalg.svd(x.double(), full_matrices=False)
+    best = (u[:, :12] * s[:12]) @ vh[:12]
+    assert abs(float((rec.double() - x).norm()) - float((best - x).norm())) < 1e-3 * float(x.norm())
+
+
+def test_same_rows_same_basis_and_orthonormal():
+    x = torch.randn(100, 32, generator=torch.Generator().manual_seed(3))
+    v1, v2 = top_directions(x, 6), top_directions(x.clone(), 6)
+    assert torch.equal(v1, v2)
+    assert torch.allclose(v1.T @ v1, torch.eye(6), atol=1e-5)
+
+
+@pytest.mark.parametrize("coeff", ["int8", "bfloat16", "float32"])
+@pytest.mark.parametrize("basis", ["int8", "bfloat16", "float32"])
+def test_payload_bytes_match_frame_bytes(coeff, basis):
+    c = LowRankCodec(k=20, coeff_dtype=coeff, basis_dtype=basis, block=8)
+    h = torch.randn(3, 7, 50)
+    fwd, bwd = c.encode_forward(h, CTX), c.encode_backward(h, CTX)
+    assert payload_nbytes(fwd) == c.frame_bytes(21, 50, "forward")
+    assert payload_nbytes(bwd) == c.frame_bytes(21, 50, "backward")
+    for name, t in {**fwd, **bwd}.items():
+        assert t.dtype == c.payload_dtypes()[name], name
+
+
+def test_int8_quantised_link_stays_close_and_backward_follows_gradients():
+    """Through the in-graph link: int8 coefficients and basis keep most of a low-rank signal."""
+    c = LowRankCodec(k=16)
+    h = (_low_rank(64, 96, 16, 4) + 0.01 * torch.randn(64, 96)).reshape(2, 32, 96).requires_grad_(True)
+    w = _low_rank(96, 96, 4, 5)
+    out = apply_link(h, c, CTX)
+    assert float((out - h).detach().norm() / h.detach().norm()) < 0.05
+    (out @ w).square().sum().backward()
+    exact = torch.autograd.grad((h @ w).square().sum(), h)[0]
+    cos = torch.nn.functional.cosine_similarity(h.grad.reshape(-1), exact.reshape(-1), dim=0)
+    assert cos > 0.95, cos
+
+
+def test_malformed_payloads_are_refused():
+    c = LowRankCodec(k=4, basis_dtype="float32")
+    p = c.encode_backward(torch.randn(10, 16), CTX)
+    with pytest.raises(ValueError, match="unit vectors"):  # a basis that amplifies
+        c.decode_backward({**p, "v": p["v"] * 1000}, CTX, (10, 16))
+    with pytest.raises(ValueError, match="unit vectors"):  # more directions than the run's k
+        c.decode_backward({**p, "v": torch.cat([p["v"], p["v"]])}, CTX, (10, 16))
+    with pytest.raises(RuntimeError):  # coefficients for another number of tokens
+        c.decode_backward(p, CTX, (11, 16))
+    with pytest.raises(ValueError):
+        LowRankCodec(k=0)
