@@ -28,7 +28,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--codec",
         default=d["codec"],
-        choices=["dense", "mask", "pca", "topk", "int8", "int4", "bottleneck", "subspace"],
+        choices=["dense", "mask", "pca", "lowrank", "topk", "int8", "int4", "bottleneck", "subspace"],
         help="pipeline-link codec; 'subspace' needs --mode pretrain and --subspace-rank "
         "(default: %(default)s)",
     )
@@ -83,13 +83,19 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         "--codec-k",
         type=int,
         default=d["codec_k"],
-        help="pca/topk/bottleneck: coefficients or channels per token (default: %(default)s)",
+        help="pca/lowrank/topk/bottleneck: coefficients or channels per token (default: %(default)s)",
     )
     g.add_argument(
         "--pca-dtype",
         default=d["pca_dtype"],
         choices=["int8", "bfloat16", "float32"],
-        help="pca codec: coefficient dtype; int8 uses per-block scales (default: %(default)s)",
+        help="pca/lowrank codecs: coefficient dtype; int8 uses per-block scales (default: %(default)s)",
+    )
+    g.add_argument(
+        "--lowrank-basis",
+        default=d["lowrank_basis"],
+        choices=["bfloat16", "int8", "float32"],
+        help="lowrank codec: dtype of the basis each frame carries (default: %(default)s)",
     )
     g.add_argument(
         "--outer-every",

@@ -39,7 +39,8 @@ class NodeConfig:
     mask_rate: float = 0.95
     mask_rescale: bool = False
     codec_k: int = 96  # pca / topk / bottleneck: coefficients or channels per token (pca: <= hidden)
-    pca_dtype: str = "int8"
+    pca_dtype: str = "int8"  # pca / lowrank coefficients
+    lowrank_basis: str = "bfloat16"  # lowrank: the per-frame basis' dtype
     calibration_tokens: int = 2048  # tokens the run's starter uses to fit a basis codec
     dense_every: int = 0
     # data-parallel outer rounds (DESIGN 4.3)

@@ -42,6 +42,9 @@ def codec_settings(cfg: NodeConfig, model=None) -> dict:
         if model is not None:  # the default k = 96 on a model narrower than that: keep every direction
             k = min(k, model.config.hidden_size)
         kw = {"k": k, "coeff_dtype": cfg.pca_dtype}
+    elif name == "lowrank":
+        k = cfg.codec_k if model is None else min(cfg.codec_k, model.config.hidden_size)
+        kw = {"k": k, "coeff_dtype": cfg.pca_dtype, "basis_dtype": cfg.lowrank_basis}
     elif name in ("topk", "bottleneck"):
         kw = {"k": cfg.codec_k}
     else:

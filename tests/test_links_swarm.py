@@ -45,7 +45,8 @@ def _swarm(tmp, name, *extra, steps=12, stages=2, nodes=2, model="tiny:2:640", c
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("links")
     return {
-        "dense": _swarm(tmp, "dense"),
+        # per-microbatch bases (k = 32 of H = 640): 512-token frames carry their own basis
+        "lowrank": _swarm(tmp, "lowrank", "--codec", "lowrank", "--codec-k", "32", codec=None),
         # M95 with one anchor per stage: the fast links' bytes are counted apart from the anchors'
         "mask": _swarm(
             tmp,
@@ -68,13 +69,31 @@ def _bpt(rep):
     return {(lk["boundary"], lk["direction"]): lk["bytes_per_token"] for lk in rep["links"]}
 
 
+DENSE_BPT = 2 * 640  # bf16, H = 640 (a dense swarm's measured bytes: tests/test_swarm.py)
+
+
 def test_m95_sends_at_most_a_nineteenth_of_dense(runs):
-    dense, mask = _bpt(runs["dense"]), _bpt(runs["mask"])
-    assert set(dense) == set(mask) == {(0, "forward"), (0, "backward")}
-    for key in dense:
+    mask = _bpt(runs["mask"])
+    assert set(mask) == {(0, "forward"), (0, "backward")}
+    for key in mask:
         # H = 640, K = 32 kept channels in bf16 = 64 B/token; dense bf16 = 1280 B/token (+ header, labels)
-        assert mask[key] * 19 <= dense[key], (key, mask[key], dense[key])
+        assert mask[key] * 19 <= DENSE_BPT, (key, mask[key])
         assert 64 <= mask[key] < 64 + 8
+
+
+def test_lowrank_swarm_trains_and_pays_each_frames_basis(runs):
+    from compression.lowrank import LowRankCodec
+
+    rep = runs["lowrank"]
+    loss = rep["loss"]
+    assert sum(loss[-3:]) / 3 < 0.9 * sum(loss[:3]) / 3
+    codec = LowRankCodec(k=32)
+    tokens = 4 * 128  # every microbatch is 4 full 128-token rows (the text repeats)
+    for (_, direction), bpt in _bpt(rep).items():
+        formula = codec.frame_bytes(tokens, 640, direction) / tokens  # basis (+ mean) + 34 B coefficients
+        labels = 2 if direction == "forward" else 0
+        assert formula + labels <= bpt < formula + labels + 2, (direction, bpt, formula)
+        assert bpt * 10 <= DENSE_BPT
 
 
 def test_masked_swarm_with_anchors_trains_and_counts_anchor_bytes(runs):
