@@ -196,6 +196,11 @@ VARIANTS: dict[str, Variant] = {
         Variant("lowrank32i8", "lowrank", {"k": 32, "coeff_dtype": "int8"}),
         Variant("lowrank64i8b8", "lowrank", {"k": 64, "coeff_dtype": "int8", "basis_dtype": "int8"}),
         Variant("lowrank48i8b8", "lowrank", {"k": 48, "coeff_dtype": "int8", "basis_dtype": "int8"}),
+        Variant(
+            "lowrank64i8b8p",
+            "lowrank",
+            {"k": 64, "coeff_dtype": "int8", "basis_dtype": "int8", "exact_projection": True},
+        ),
     ]
 }
 

@@ -58,6 +58,7 @@ class LowRankCodec(LinkCodec):
         block: int = 32,
         scale_dtype: str = "bfloat16",
         basis_dtype: str = "bfloat16",
+        exact_projection: bool = False,
     ):
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
@@ -71,6 +72,7 @@ class LowRankCodec(LinkCodec):
             raise ValueError(f"block must be >= 1, got {block}")
         self.k, self.coeff_dtype, self.block = int(k), coeff_dtype, int(block)
         self.scale_dtype, self.basis_dtype = scale_dtype, basis_dtype
+        self.exact_projection = bool(exact_projection)
         self._sdtype = WIRE_DTYPES[scale_dtype]
         self._bdtype = WIRE_DTYPES.get(basis_dtype, torch.bfloat16)  # the mean's dtype with an int8 basis
 
@@ -102,6 +104,10 @@ class LowRankCodec(LinkCodec):
     def _encode(self, rows: torch.Tensor) -> Payload:
         out, vt = self._basis(rows)
         c = rows @ vt.T
+        if self.exact_projection:
+            # least-squares coefficients for the rounded basis: the receiver's C·V̂ is then the
+            # orthogonal projection onto span(V̂), although V̂ is no longer exactly orthonormal
+            c = torch.linalg.solve(vt @ vt.T, c.T).T
         if self.coeff_dtype == "int8":
             q, scale = quantize_blockwise(c, self.block, 8, self._sdtype)
             out.update(q=q, scale=scale)
@@ -164,6 +170,8 @@ class LowRankCodec(LinkCodec):
         }
         if self.coeff_dtype == "int8":
             d.update(block=self.block, scale_dtype=self.scale_dtype)
+        if self.exact_projection:
+            d["exact_projection"] = True
         return d
 
     def payload_dtypes(self) -> dict[str, torch.dtype]:
