@@ -425,6 +425,71 @@ def _cores_by_command(cpu: dict) -> dict[str, float]:
     return {k: round((v - cpu["s0"].get(k, 0.0)) / dt, 3) for k, v in sorted(cpu["s1"].items())}
 
 
+class LinkCut:
+    """The link-cut fault: node ``node``'s link goes down ``at`` s into the window for ``seconds``.
+
+    ``summary`` says what it cost: the tail's step rate before, during and after the cut, the
+    microbatches dropped meanwhile, and how long after the link came back the node served again.
+    """
+
+    def __init__(self, topo: Topology, node: int, at: float, seconds: float):
+        if not 0 <= node < topo.n:
+            raise HarnessError(f"--cut-node {node} is not a node of this run (0..{topo.n - 1})")
+        self.topo, self.node, self.at, self.seconds = topo, node, at, seconds
+        self.down_at: float | None = None
+        self.up_at: float | None = None
+
+    def step(self, snap: dict, t_first: float) -> None:
+        t = snap["t"] - t_first
+        if self.down_at is None and t >= self.at:
+            self.topo.set_link(self.node, False)
+            self.down_at = snap["t"]
+            print(f"  link of node {self.node} cut at {t:.0f}s for {self.seconds:g}s", flush=True)
+        elif self.down_at is not None and self.up_at is None and snap["t"] - self.down_at >= self.seconds:
+            self.topo.set_link(self.node, True)
+            self.up_at = snap["t"]
+            print(f"  link of node {self.node} restored at {t:.0f}s", flush=True)
+
+    def summary(self, snaps: list[dict], stages: int) -> dict:
+        def tail_step(s):
+            return max(
+                (m["inner_step"] for m in s["metrics"].values() if m["stage"] == stages - 1), default=0
+            )
+
+        def dropped(s):
+            return sum(m["dropped_microbatches"] for m in s["metrics"].values())
+
+        def served(s):
+            m = s["metrics"].get(self.node)
+            return m["microbatches"] if m else 0
+
+        def rate(t0, t1):
+            inside = [s for s in snaps if t0 <= s["t"] <= t1]
+            if len(inside) < 2 or inside[-1]["t"] <= inside[0]["t"]:
+                return None
+            return round(
+                (tail_step(inside[-1]) - tail_step(inside[0])) / (inside[-1]["t"] - inside[0]["t"]), 3
+            )
+
+        if self.down_at is None or self.up_at is None:
+            return {"node": self.node, "completed": False}
+        at_up = next(s for s in snaps if s["t"] >= self.up_at)
+        back = next((s["t"] for s in snaps if s["t"] > self.up_at and served(s) > served(at_up)), None)
+        at_down = next(s for s in snaps if s["t"] >= self.down_at)
+        stage = snaps[-1]["metrics"].get(self.node, {}).get("stage")
+        return {
+            "node": self.node,
+            "stage": stage,
+            "completed": True,
+            "seconds_down": round(self.up_at - self.down_at, 1),
+            "tail_steps_per_s_before": rate(self.down_at - self.at, self.down_at),
+            "tail_steps_per_s_during": rate(self.down_at, self.up_at),
+            "tail_steps_per_s_after": rate(self.up_at, snaps[-1]["t"]),
+            "dropped_during": dropped(at_up) - dropped(at_down),
+            "node_served_again_after_s": None if back is None else round(back - self.up_at, 1),
+        }
+
+
 def run_one(a, v: Variant, topo: Topology, out: Path, data: Path, command: str) -> dict:
     from node.report import build_report
 
@@ -441,6 +506,7 @@ def run_one(a, v: Variant, topo: Topology, out: Path, data: Path, command: str) 
         f"(logs: {rundir}/nodes)",
         flush=True,
     )
+    cut = LinkCut(topo, a.cut_node, a.cut_at, a.cut_seconds) if a.cut_node >= 0 else None
     try:
         swarm.start()
         print(f"  all {swarm.n_total} nodes ready after {time.monotonic() - t_start:.0f}s", flush=True)
@@ -471,6 +537,8 @@ def run_one(a, v: Variant, topo: Topology, out: Path, data: Path, command: str) 
                 el = snap["t"] - (t_first or snap["t"])  # negative during the warm-up
                 print(f"  {el:5.0f}s  microbatches {done}  tail steps {tail_steps}", flush=True)
                 last_print = snap["t"]
+            if t_first is not None and a.cut_node >= 0:
+                cut.step(snap, t_first)
             if t_first is not None and snap["t"] >= t_first and "t0" not in cpu:
                 cpu.update(t0=time.monotonic(), s0=topo.cpu_seconds())
             if t_first is not None and (
@@ -484,6 +552,8 @@ def run_one(a, v: Variant, topo: Topology, out: Path, data: Path, command: str) 
         status = f"error: {e}"
         print(f"  {status}", file=sys.stderr, flush=True)
     finally:
+        if cut is not None and cut.down_at is not None and cut.up_at is None:
+            topo.set_link(cut.node, True)  # never leave a link down behind a failed run
         swarm.stop()
     if t_first is None or status != "ok":
         raise HarnessError(status if status != "ok" else "no microbatch completed")
@@ -547,6 +617,9 @@ def run_one(a, v: Variant, topo: Topology, out: Path, data: Path, command: str) 
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         "loadavg_1m": round(os.getloadavg()[0], 2),
     }
+    if cut is not None:
+        entry["link_cut"] = cut.summary(snaps, a.stages)
+        print(f"  link cut: {json.dumps(entry['link_cut'])}", flush=True)
     e = entry
     print(
         f"  -> {e['tokens_per_s']:.0f} tokens/s  (ceiling {e['ceiling_tokens_per_s'] or 0:.0f}), "
@@ -634,6 +707,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sweep", default="", help="also run dense and M95 at these rates in Mbit/s (same other settings)"
     )
+    p.add_argument(
+        "--cut-node",
+        type=int,
+        default=-1,
+        help="link-cut fault: take this node's link down during the window (-1: off)",
+    )
+    p.add_argument("--cut-at", type=float, default=30.0, help="seconds into the window the cut starts")
+    p.add_argument("--cut-seconds", type=float, default=30.0, help="how long the link stays down")
     p.add_argument("--skip-tcp-check", action="store_true", help="skip the raw TCP rate check")
     p.add_argument("--out", default="runs/harness", help="run directories (node logs, report.json)")
     p.add_argument("--results", default=str(RESULTS / "harness.json"), help="append entries here")

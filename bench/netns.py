@@ -191,6 +191,10 @@ class Topology:
                 ]
             )
 
+    def set_link(self, i: int, up: bool) -> None:
+        """Cut (or restore) node i's link: its bridge port goes down, so nothing reaches it or leaves it."""
+        _run(["ip", "-n", self.bridge_ns, "link", "set", self.port_dev(i), "up" if up else "down"])
+
     def kill_all_processes(self, grace_s: float = 5.0) -> int:
         """SIGTERM, then SIGKILL, every process inside our node namespaces (all started by us)."""
 

@@ -158,3 +158,42 @@ def test_harness_refuses_in_one_line_without_support(monkeypatch, capsys):
     assert h.main(["--codec", "dense"]) == h.EXIT_UNSUPPORTED
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "need root" in err[0]
+
+
+def test_link_cut_summary_from_snapshots():
+    """The cut's cost comes from the metric snapshots: rates in each phase, drops, time to serve again."""
+    from bench.harness import LinkCut
+
+    class Topo:
+        n = 3
+        calls: list = []
+
+        def set_link(self, i, up):
+            self.calls.append((i, up))
+
+    def snap(t, steps, dropped, served):
+        return {
+            "t": t,
+            "metrics": {
+                0: {"stage": 0, "inner_step": 0, "dropped_microbatches": dropped, "microbatches": 100},
+                2: {"stage": 1, "inner_step": steps, "dropped_microbatches": 0, "microbatches": served},
+            },
+        }
+
+    topo = Topo()
+    cut = LinkCut(topo, node=2, at=10, seconds=20)
+    # steps: 1/s before the cut (t 0-10), 0.5/s while down (10-30), 1/s after; 3 drops while down;
+    # the node serves again 4 s after its link is back
+    snaps = [
+        snap(
+            t, [t, 10 + (t - 10) / 2, 20 + (t - 30)][(t >= 10) + (t >= 30)], 3 * (t > 12), 50 + 5 * (t >= 34)
+        )
+        for t in range(0, 61)
+    ]
+    for s in snaps:
+        cut.step(s, t_first=0)
+    assert topo.calls == [(2, False), (2, True)]
+    got = cut.summary(snaps, stages=2)
+    assert got["seconds_down"] == 20 and got["stage"] == 1 and got["dropped_during"] == 3
+    assert got["tail_steps_per_s_before"] == 1.0 and got["tail_steps_per_s_during"] == 0.5
+    assert got["tail_steps_per_s_after"] == 1.0 and got["node_served_again_after_s"] == 4
