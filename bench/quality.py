@@ -195,6 +195,16 @@ VARIANTS: dict[str, Variant] = {
         Variant("lowrank64i8", "lowrank", {"k": 64, "coeff_dtype": "int8"}),
         Variant("lowrank32i8", "lowrank", {"k": 32, "coeff_dtype": "int8"}),
         Variant("lowrank64i8b8", "lowrank", {"k": 64, "coeff_dtype": "int8", "basis_dtype": "int8"}),
+        Variant(
+            "pca96i8-fwd+lowrank64-bwd",
+            "pca-lowrank",
+            {"lowrank_dir": "backward", "k": 96, "coeff_dtype": "int8"},
+        ),
+        Variant(
+            "lowrank64-fwd+pca96i8-bwd",
+            "pca-lowrank",
+            {"lowrank_dir": "forward", "k": 96, "coeff_dtype": "int8"},
+        ),
         Variant("lowrank48i8b8", "lowrank", {"k": 48, "coeff_dtype": "int8", "basis_dtype": "int8"}),
         Variant(
             "lowrank64i8b8p",
@@ -400,6 +410,45 @@ def exact_match(pipe: Pipeline, examples, tok, links_for=None, max_new: int = 6)
     return hits / len(examples), outs
 
 
+class PcaLowrank(PcaCodec):
+    """Diagnostic: the fixed PCA basis on one direction, a per-frame low-rank basis
+    (``compression.lowrank``) on the other. Says which direction needs the basis that follows
+    the data: lowrank on both learns the word task like dense, PCA on both does not."""
+
+    def __init__(self, lowrank_dir: str, lowrank_k: int = 64, **kw):
+        from compression.lowrank import LowRankCodec
+
+        if lowrank_dir not in ("forward", "backward"):
+            raise ValueError(f"lowrank_dir must be forward or backward, not {lowrank_dir!r}")
+        super().__init__(**kw)
+        self.lowrank_dir, self.lowrank = lowrank_dir, LowRankCodec(k=lowrank_k)
+
+    def encode_forward(self, h: torch.Tensor, ctx: LinkContext) -> Payload:
+        if self.lowrank_dir == "forward":
+            return self.lowrank.encode_forward(h, ctx)
+        return super().encode_forward(h, ctx)
+
+    def decode_forward(self, payload: Payload, ctx: LinkContext, shape) -> torch.Tensor:
+        if self.lowrank_dir == "forward":
+            return self.lowrank.decode_forward(payload, ctx, shape)
+        return super().decode_forward(payload, ctx, shape)
+
+    def encode_backward(self, g: torch.Tensor, ctx: LinkContext) -> Payload:
+        if self.lowrank_dir == "backward":
+            return self.lowrank.encode_backward(g, ctx)
+        return super().encode_backward(g, ctx)
+
+    def decode_backward(self, payload: Payload, ctx: LinkContext, shape) -> torch.Tensor:
+        if self.lowrank_dir == "backward":
+            return self.lowrank.decode_backward(payload, ctx, shape)
+        return super().decode_backward(payload, ctx, shape)
+
+    def frame_bytes(self, tokens: int, hidden: int, direction: str) -> float:
+        if direction == self.lowrank_dir:
+            return self.lowrank.frame_bytes(tokens, hidden, direction)
+        return tokens * super().bytes_per_token(hidden)
+
+
 class PcaOneWay(PcaCodec):
     """Diagnostic, not a codec to ship: PCA on one direction, dense bf16 on the other.
 
@@ -483,6 +532,8 @@ def step_wire_bytes(codec: LinkCodec, n_tok: int, dense_now: bool) -> float:
 def build_codec(variant: Variant) -> LinkCodec:
     if variant.codec == "pca-oneway":
         return PcaOneWay(**variant.settings)
+    if variant.codec == "pca-lowrank":
+        return PcaLowrank(**variant.settings)
     if variant.codec == "pca-2bases":
         return PcaTwoBases(**variant.settings)
     return make_codec(variant.codec, **variant.settings)

@@ -103,7 +103,8 @@ def tables(runs: list[dict]) -> str:
 
 
 def _settings(r: dict) -> str:
-    s = {k: v for k, v in r["codec_settings"].items() if k not in ("codec", "basis_dtype", "scale_dtype")}
+    hidden = ("codec", "scale_dtype") if r["codec"] == "lowrank" else ("codec", "basis_dtype", "scale_dtype")
+    s = {k: v for k, v in r["codec_settings"].items() if k not in hidden}
     return " ".join(f"{k}={v}" for k, v in s.items())
 
 

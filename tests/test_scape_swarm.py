@@ -197,16 +197,16 @@ def test_a_replica_joining_a_running_stage_is_reanchored(tmp_path):
         peers = [f"{ready['maddrs'][0]}/p2p/{ready['peer_id']}"]
         proc, ready = start_node(args, 1, tmp_path, run_id, peers, extra=["--stage", "1"])
         procs.append(proc), stages.append(ready["stage"])
-        _wait(lambda: tail_steps(read_metrics(tmp_path, 2), 2) >= 4, 120, "4 steps before the join")
+        _wait(lambda: tail_steps(read_metrics(tmp_path, 2), 2) >= 2, 120, "2 steps before the join")
         proc, ready = start_node(args, 2, tmp_path, run_id, peers, extra=["--stage", "1"])
         procs.append(proc), stages.append(ready["stage"])
         joiner = ready["peer_id"]
 
         def synced_after_join():
             m = next((m for m in read_metrics(tmp_path, 3) if m["peer_id"] == joiner), None)
-            return m and sum(r["group"] == 2 for r in m["dp"]["records"]) >= 5
+            return m and sum(r["group"] == 2 for r in m["dp"]["records"]) >= 4
 
-        _wait(synced_after_join, 150, "5 synchronised steps after the join")
+        _wait(synced_after_join, 150, "4 synchronised steps after the join")
     finally:
         stop_nodes(procs, stages)
     rep = build_report(read_metrics(tmp_path, 3), 2)
@@ -220,5 +220,5 @@ def test_a_replica_joining_a_running_stage_is_reanchored(tmp_path):
     assert node["dp"]["anchor_received"] == 12 * numel  # params, m and e in fp32, once
     assert 12 * numel <= donor["dp"]["anchor_bytes"] <= 12 * numel + HEADER
     c = rep["dp"]["consistency"]["1"]
-    # the adoption step is the donor's alone (its group held one lineage): 4 of the joiner's 5
-    assert c["synced_steps"] >= 4 and c["equal_steps"] == c["synced_steps"], c
+    # the adoption step is the donor's alone (its group held one lineage): 3 of the joiner's 4
+    assert c["synced_steps"] >= 3 and c["equal_steps"] == c["synced_steps"], c
