@@ -1,0 +1,67 @@
+"""How low-rank are the boundary activations and gradients of one fine-tuning batch?
+
+    python -m bench.grad_struct --task word --seed 5
+
+The bundled model through the quality benchmark's 4-stage split, one batch of 16 problems,
+dense: prints, per boundary, the share of the gradient's energy at the loss positions, in the
+top-m rows by norm, and in the top-k singular directions (gradients, and centred activations).
+Explains why the per-frame low-rank codec needs k >= 64 (bench/results/quality.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench.quality import BATCH, HIDDEN, SEQ_LEN, Pipeline, answer_loss, task_stream
+from node.data import collate, tokenize
+from node.model import load_model
+from node.stages import IGNORE_INDEX
+
+
+def energy_at(values: torch.Tensor, ks: tuple[int, ...]) -> dict[int, float]:
+    """Cumulative share of ``values`` (sorted descending) in the first k, for each k."""
+    c = values.sort(descending=True).values.cumsum(0) / values.sum()
+    return {k: round(float(c[min(k, len(c)) - 1]), 3) for k in ks}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--task", default="word", choices=["arithmetic", "word"])
+    p.add_argument("--seed", type=int, default=5)
+    a = p.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model, tok, _ = load_model("bundled")
+    model.train()
+    pipe = Pipeline(model)
+    stream = task_stream(a.task, a.seed)
+    ids, labels = collate([tokenize(tok, next(stream), SEQ_LEN) for _ in range(BATCH)], tok.eos_token_id)
+    acts: dict[int, torch.Tensor] = {}
+    grads: dict[int, torch.Tensor] = {}
+
+    def tap(b: int, h: torch.Tensor) -> torch.Tensor:
+        acts[b] = h.detach()
+        h.register_hook(lambda g: grads.__setitem__(b, g.detach()))
+        return h
+
+    answer_loss(*pipe.answer_logits(ids, labels, tap)[:2]).backward()
+    at_loss = torch.zeros(ids.shape, dtype=torch.bool)
+    at_loss[:, :-1] = labels[:, 1:] != IGNORE_INDEX  # positions whose output is scored
+    at_loss = at_loss.reshape(-1)
+    print(f"{a.task}: {ids.numel()} tokens, {int(at_loss.sum())} loss positions")
+    for b in sorted(grads):
+        g = grads[b].reshape(-1, HIDDEN).double()
+        x = acts[b].reshape(-1, HIDDEN).double()
+        rows = g.norm(dim=1) ** 2
+        share = float(rows[at_loss].sum() / rows.sum())
+        print(f"boundary {b}: gradient energy at the loss positions {share:.3f}")
+        print(f"  in the top-m rows          {energy_at(rows, (16, 32, 64, 128))}")
+        print(f"  in the top-k directions    {energy_at(torch.linalg.svdvals(g) ** 2, (16, 32, 48, 64, 96))}")
+        xc = x - x.mean(0)
+        print(f"  activations, top-k         {energy_at(torch.linalg.svdvals(xc) ** 2, (16, 32, 64, 96))}")
+
+
+if __name__ == "__main__":
+    main()
