@@ -428,7 +428,7 @@ def _cores_by_command(cpu: dict) -> dict[str, float]:
 class LinkCut:
     """The link-cut fault: node ``node``'s link goes down ``at`` s into the window for ``seconds``.
 
-    ``summary`` says what it cost: the tail's step rate before, during and after the cut, the
+    ``summary`` says what it cost: the heads' microbatch rate before, during and after the cut, the
     microbatches dropped meanwhile, and how long after the link came back the node served again.
     """
 
@@ -451,10 +451,8 @@ class LinkCut:
             print(f"  link of node {self.node} restored at {t:.0f}s", flush=True)
 
     def summary(self, snaps: list[dict], stages: int) -> dict:
-        def tail_step(s):
-            return max(
-                (m["inner_step"] for m in s["metrics"].values() if m["stage"] == stages - 1), default=0
-            )
+        def done(s):  # microbatches the heads completed end to end (forward and backward)
+            return sum(m["microbatches"] for m in s["metrics"].values() if m["stage"] == 0 and _is_fast(m))
 
         def dropped(s):
             return sum(m["dropped_microbatches"] for m in s["metrics"].values())
@@ -467,24 +465,21 @@ class LinkCut:
             inside = [s for s in snaps if t0 <= s["t"] <= t1]
             if len(inside) < 2 or inside[-1]["t"] <= inside[0]["t"]:
                 return None
-            return round(
-                (tail_step(inside[-1]) - tail_step(inside[0])) / (inside[-1]["t"] - inside[0]["t"]), 3
-            )
+            return round((done(inside[-1]) - done(inside[0])) / (inside[-1]["t"] - inside[0]["t"]), 3)
 
         if self.down_at is None or self.up_at is None:
             return {"node": self.node, "completed": False}
         at_up = next(s for s in snaps if s["t"] >= self.up_at)
         back = next((s["t"] for s in snaps if s["t"] > self.up_at and served(s) > served(at_up)), None)
         at_down = next(s for s in snaps if s["t"] >= self.down_at)
-        stage = snaps[-1]["metrics"].get(self.node, {}).get("stage")
         return {
             "node": self.node,
-            "stage": stage,
+            "stage": snaps[-1]["metrics"].get(self.node, {}).get("stage"),
             "completed": True,
             "seconds_down": round(self.up_at - self.down_at, 1),
-            "tail_steps_per_s_before": rate(self.down_at - self.at, self.down_at),
-            "tail_steps_per_s_during": rate(self.down_at, self.up_at),
-            "tail_steps_per_s_after": rate(self.up_at, snaps[-1]["t"]),
+            "microbatches_per_s_before": rate(self.down_at - self.at, self.down_at),
+            "microbatches_per_s_during": rate(self.down_at, self.up_at),
+            "microbatches_per_s_after": rate(self.up_at, snaps[-1]["t"]),
             "dropped_during": dropped(at_up) - dropped(at_down),
             "node_served_again_after_s": None if back is None else round(back - self.up_at, 1),
         }

@@ -171,29 +171,25 @@ def test_link_cut_summary_from_snapshots():
         def set_link(self, i, up):
             self.calls.append((i, up))
 
-    def snap(t, steps, dropped, served):
+    def snap(t):
+        # heads complete 2 microbatches/s before the cut (t < 10), 1/s while node 2 is cut off
+        # (t 10-30), 2/s after; 3 drops while down; node 2 serves again 4 s after its link is back
+        head_done = [2 * t, 20 + (t - 10), 40 + 2 * (t - 30)][(t >= 10) + (t >= 30)]
         return {
             "t": t,
             "metrics": {
-                0: {"stage": 0, "inner_step": 0, "dropped_microbatches": dropped, "microbatches": 100},
-                2: {"stage": 1, "inner_step": steps, "dropped_microbatches": 0, "microbatches": served},
+                0: {"stage": 0, "microbatches": head_done, "dropped_microbatches": 3 * (t > 12)},
+                2: {"stage": 1, "microbatches": 50 + 5 * (t >= 34), "dropped_microbatches": 0},
             },
         }
 
     topo = Topo()
     cut = LinkCut(topo, node=2, at=10, seconds=20)
-    # steps: 1/s before the cut (t 0-10), 0.5/s while down (10-30), 1/s after; 3 drops while down;
-    # the node serves again 4 s after its link is back
-    snaps = [
-        snap(
-            t, [t, 10 + (t - 10) / 2, 20 + (t - 30)][(t >= 10) + (t >= 30)], 3 * (t > 12), 50 + 5 * (t >= 34)
-        )
-        for t in range(0, 61)
-    ]
+    snaps = [snap(t) for t in range(0, 61)]
     for s in snaps:
         cut.step(s, t_first=0)
     assert topo.calls == [(2, False), (2, True)]
     got = cut.summary(snaps, stages=2)
     assert got["seconds_down"] == 20 and got["stage"] == 1 and got["dropped_during"] == 3
-    assert got["tail_steps_per_s_before"] == 1.0 and got["tail_steps_per_s_during"] == 0.5
-    assert got["tail_steps_per_s_after"] == 1.0 and got["node_served_again_after_s"] == 4
+    assert got["microbatches_per_s_before"] == 2.0 and got["microbatches_per_s_during"] == 1.0
+    assert got["microbatches_per_s_after"] == 2.0 and got["node_served_again_after_s"] == 4
