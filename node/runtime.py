@@ -69,6 +69,18 @@ log = logging.getLogger("node")
 
 HANDLER = "vnode.forward"
 STEP_DRAIN_TIMEOUT_S = 120.0
+
+
+def gone_peers(watched: dict[str, int], routes: list[dict[str, StageRecord]]) -> list[str]:
+    """Watched peers (peer -> its stage) whose stage, freshly read, lists others but not them.
+
+    A stage read that came back empty proves nothing (a DHT lookup can miss under churn), and
+    abandoning hops on it would drop healthy work; a record that is merely not ready (a node
+    draining before it leaves) still counts as present.
+    """
+    return [p for p, st in watched.items() if 0 <= st < len(routes) and routes[st] and p not in routes[st]]
+
+
 DROP_BACKOFF_S = 1.0  # head: pause after a dropped microbatch (a stage with no live peer fails them all)
 
 
@@ -223,6 +235,9 @@ class StageRuntime:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.rng = random.Random(zlib.crc32(peer_id.encode()) ^ cfg.seed)
         self.routes: list[dict[str, StageRecord]] = [{} for _ in range(self.n_stages)]
+        # peers we have hops in flight to -> (their stage, an event set when their record leaves
+        # the DHT; see _call_peer)
+        self._gone: dict[str, tuple[int, asyncio.Event]] = {}
         self.inner_step = 0
         self._acc_tokens = 0
         self._acc_micro = 0
@@ -465,12 +480,27 @@ class StageRuntime:
             )
         except Exception as e:
             raise HopFailed(f"cannot open a stream to {peer[:12]}: {type(e).__name__}") from None
-        try:
+
+        async def exchange() -> bytes:
             await self.wire.send(writer, data, timeout)
-            reply = await self.wire.recv(reader, MAX_FRAME_BYTES, timeout)
+            return await self.wire.recv(reader, MAX_FRAME_BYTES, timeout)
+
+        # A cut link resets nothing: the hop would hang until its deadline (minutes for a long
+        # pipeline) with the head's in-flight slots stuck behind it. Once the peer's record
+        # expires from the DHT (it cannot heartbeat), give the hop up and retry elsewhere.
+        _, gone = self._gone.setdefault(peer, (boundary + 1, asyncio.Event()))
+        io, left = asyncio.ensure_future(exchange()), asyncio.ensure_future(gone.wait())
+        try:
+            await asyncio.wait({io, left}, return_when=asyncio.FIRST_COMPLETED)
+            if not io.done():
+                io.cancel()
+                raise HopFailed(f"{peer[:12]} left the swarm mid-hop (its record expired)")
+            reply = io.result()
         except (asyncio.TimeoutError, ConnectionError, OSError, FrameError) as e:
             raise HopFailed(f"{peer[:12]} did not answer: {type(e).__name__} {e}") from None
         finally:
+            left.cancel()
+            io.cancel()
             close_quietly(writer)
         try:
             frame = decode_frame(reply, run_id=self.run.run_id)
@@ -752,6 +782,9 @@ class StageRuntime:
             )
         except Exception as e:
             log.info("could not refresh routes: %s", e)
+            return
+        for peer in gone_peers({p: st for p, (st, _) in self._gone.items()}, self.routes):
+            self._gone.pop(peer)[1].set()  # its hops in flight give up; a later hop gets a fresh event
 
     async def publish(self, ready: bool = True, timeout: float | None = None) -> None:
         """Our stage record: ready peers get routed to; a leaving node publishes ready=False first."""

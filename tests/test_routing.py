@@ -49,3 +49,15 @@ def test_choose_stage_least_served():
     assert choose_stage([one, one], "fast") == 0
     # anchors do not count towards the fast circuit's service
     assert choose_stage([_recs(a=dict(circuit="anchor")), empty], "fast") == 0
+
+
+def test_hops_are_given_up_only_on_peers_whose_stage_lists_others():
+    from node.runtime import gone_peers
+
+    rec = object()  # records are only looked up by peer id here
+    routes = [{"h": rec}, {"a": rec, "b": rec}, {}]
+    watched = {"a": 1, "c": 1, "x": 2, "h": 0}
+    # c's stage lists a and b but not c: c's record expired (a cut link cannot heartbeat);
+    # stage 2 came back empty: a missed DHT read proves nothing, x keeps its hops
+    assert gone_peers(watched, routes) == ["c"]
+    assert gone_peers({"c": 5}, routes) == []  # a stage this run does not have
