@@ -396,6 +396,7 @@ class ScapeSync:
             )
             t = rt.inner_step = caught_up  # the runtime counts on from here
             record["step"] = t
+            self.own_slice, self.slice_group = None, []  # no mask agreed for this step: sync densely
         mask = None
         if self.own_slice is not None:
             slices = await self._collect("mask", t - 1, self.slice_group)
