@@ -1,4 +1,5 @@
 import os
+import time
 
 import pytest
 import torch
@@ -41,3 +42,14 @@ def run_swarm(report_dir, *args: str, timeout: float = 420, codec: str | None = 
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     return json.loads((report_dir / "report.json").read_text())
+
+
+def wait_for(cond, timeout: float, what: str):
+    """Poll ``cond`` every 0.5 s; its first truthy value, or an AssertionError naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -8,16 +8,7 @@ import time
 from node.cli import build_parser
 from node.report import build_report
 from node.swarm import read_metrics, start_node, stop_nodes, tail_steps
-
-
-def _wait(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
+from tests.conftest import wait_for
 
 
 def test_kill_a_replica_swarm_continues_and_node_rejoins(tmp_path):
@@ -51,7 +42,7 @@ def test_kill_a_replica_swarm_continues_and_node_rejoins(tmp_path):
             stages.append(ready["stage"])
         assert sorted(stages).count(1) >= 2, stages  # the tail stage is replicated
         victim = max(i for i, s in enumerate(stages) if s == 1)
-        _wait(lambda: tail_steps(read_metrics(tmp_path, 5), 2) >= 10, 120, "10 steps before the kill")
+        wait_for(lambda: tail_steps(read_metrics(tmp_path, 5), 2) >= 10, 120, "10 steps before the kill")
         victim_id = json.loads((tmp_path / "nodes" / str(victim) / "ready.json").read_text())["peer_id"]
 
         os.kill(procs[victim].pid, signal.SIGKILL)
@@ -59,7 +50,7 @@ def test_kill_a_replica_swarm_continues_and_node_rejoins(tmp_path):
         killed_at = time.monotonic()
         steps_at_kill = tail_steps(read_metrics(tmp_path, 5), 2)
         # training goes on through the surviving tail replica within a bounded time
-        _wait(
+        wait_for(
             lambda: tail_steps(read_metrics(tmp_path, 5), 2) >= steps_at_kill + 10,
             60,
             "10 steps after the kill",
@@ -76,7 +67,7 @@ def test_kill_a_replica_swarm_continues_and_node_rejoins(tmp_path):
             m = next((m for m in read_metrics(tmp_path, 5) if m["peer_id"] == victim_id), None)
             return m if m and m["microbatches"] > 0 else None
 
-        m = _wait(rejoined, 90, "the restarted node to serve microbatches")
+        m = wait_for(rejoined, 90, "the restarted node to serve microbatches")
         assert m["state_pull_bytes"] > 0
     finally:
         stop_nodes(procs, stages)

@@ -2,7 +2,6 @@
 
 import asyncio
 import os
-import time
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from node.cli import build_parser
 from node.report import build_report
 from node.scape import INITIAL_LINEAGE, ScapeSync, decode_slice, encode_slice, next_lineage, winning_lineage
 from node.swarm import read_metrics, start_node, stop_nodes, tail_steps
-from tests.conftest import run_swarm
+from tests.conftest import run_swarm, wait_for
 
 MODEL, DENSITY, HEADER = "tiny:2:128", 0.1, 400  # a scape frame's header is ~150 B
 
@@ -168,16 +167,6 @@ def test_scape_dp_bytes_follow_density(scape_run):
             assert r["values_bytes"] + r["mask_bytes"] < (DENSITY + 0.05) * dense[0]["values_bytes"]
 
 
-def _wait(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_a_replica_joining_a_running_stage_is_reanchored(tmp_path):
     """A replica that joins after the stage has stepped pulls bf16 weights but not m and e; its
     first exchange re-anchors it on the running replica's state, and from then on both are
@@ -197,7 +186,7 @@ def test_a_replica_joining_a_running_stage_is_reanchored(tmp_path):
         peers = [f"{ready['maddrs'][0]}/p2p/{ready['peer_id']}"]
         proc, ready = start_node(args, 1, tmp_path, run_id, peers, extra=["--stage", "1"])
         procs.append(proc), stages.append(ready["stage"])
-        _wait(lambda: tail_steps(read_metrics(tmp_path, 2), 2) >= 2, 120, "2 steps before the join")
+        wait_for(lambda: tail_steps(read_metrics(tmp_path, 2), 2) >= 2, 120, "2 steps before the join")
         proc, ready = start_node(args, 2, tmp_path, run_id, peers, extra=["--stage", "1"])
         procs.append(proc), stages.append(ready["stage"])
         joiner = ready["peer_id"]
@@ -206,7 +195,7 @@ def test_a_replica_joining_a_running_stage_is_reanchored(tmp_path):
             m = next((m for m in read_metrics(tmp_path, 3) if m["peer_id"] == joiner), None)
             return m and sum(r["group"] == 2 for r in m["dp"]["records"]) >= 4
 
-        _wait(synced_after_join, 150, "4 synchronised steps after the join")
+        wait_for(synced_after_join, 150, "4 synchronised steps after the join")
     finally:
         stop_nodes(procs, stages)
     rep = build_report(read_metrics(tmp_path, 3), 2)
