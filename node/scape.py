@@ -446,7 +446,9 @@ class ScapeSync:
                 self.own_slice, self.slice_group = None, []
                 self.anchor_received += state.numel() * 4
                 record.update(group=len(views), reanchor="adopted", donor=holders[0])
-            record.update(values_bytes=sent, seconds=time.perf_counter() - t0)
+            record.update(
+                nnz=int(own.numel()), dense=mask is None, values_bytes=sent, seconds=time.perf_counter() - t0
+            )
             self.records.append(record)
             return ok
         values = {rt.peer_id: own}
