@@ -206,6 +206,8 @@ VARIANTS: dict[str, Variant] = {
             {"lowrank_dir": "forward", "k": 96, "coeff_dtype": "int8"},
         ),
         Variant("lowrank48i8b8", "lowrank", {"k": 48, "coeff_dtype": "int8", "basis_dtype": "int8"}),
+        Variant("lowrank64i8b8k32", "lowrank", {"k": 64, "basis_dtype": "int8", "basis_block": 32}),
+        Variant("lowrank48i8b8k32", "lowrank", {"k": 48, "basis_dtype": "int8", "basis_block": 32}),
         Variant(
             "lowrank64i8b8p",
             "lowrank",

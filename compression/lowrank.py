@@ -59,6 +59,7 @@ class LowRankCodec(LinkCodec):
         scale_dtype: str = "bfloat16",
         basis_dtype: str = "bfloat16",
         exact_projection: bool = False,
+        basis_block: int = 0,
     ):
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
@@ -73,6 +74,12 @@ class LowRankCodec(LinkCodec):
         self.k, self.coeff_dtype, self.block = int(k), coeff_dtype, int(block)
         self.scale_dtype, self.basis_dtype = scale_dtype, basis_dtype
         self.exact_projection = bool(exact_projection)
+        if basis_block < 0:
+            raise ValueError(f"basis_block must be >= 0, got {basis_block}")
+        # int8 basis: one scale per basis_block entries of a direction (0: one per direction).
+        # Why blocks: the top directions concentrate on the few massive-activation channels, so
+        # one absmax per direction leaves the other entries a handful of levels.
+        self.basis_block = int(basis_block)
         self._sdtype = WIRE_DTYPES[scale_dtype]
         self._bdtype = WIRE_DTYPES.get(basis_dtype, torch.bfloat16)  # the mean's dtype with an int8 basis
 
@@ -83,17 +90,24 @@ class LowRankCodec(LinkCodec):
         k = min(self.k, rows.shape[-1])
         vt = top_directions(rows, k).T.contiguous()  # (k, H)
         if self.basis_dtype == "int8":
-            q, scale = quantize_blockwise(vt, vt.shape[1], 8, torch.bfloat16)
-            return {"vq": q, "vscale": scale}, dequantize_blockwise(q, scale, vt.shape[1])
+            bb = self._bblock(vt.shape[1])
+            q, scale = quantize_blockwise(vt, bb, 8, torch.bfloat16)
+            return {"vq": q, "vscale": scale}, dequantize_blockwise(q, scale, bb)
         wire = vt.to(self._bdtype)
         return {"v": wire}, wire.to(torch.float32)
+
+    def _bblock(self, hidden: int) -> int:
+        return self.basis_block or hidden
 
     def _basis_of(self, payload: Payload) -> torch.Tensor:
         if self.basis_dtype == "int8":
             q, scale = payload["vq"], payload["vscale"]
-            if q.dim() != 2 or scale.shape != (q.shape[0], 1):
+            if q.dim() != 2:
+                raise ValueError("lowrank basis must be 2-D")
+            bb = self._bblock(q.shape[1])
+            if scale.shape != (q.shape[0], math.ceil(q.shape[1] / bb)):
                 raise ValueError("lowrank basis and its scales do not match")
-            vt = dequantize_blockwise(q, scale, q.shape[1])
+            vt = dequantize_blockwise(q, scale, bb)
         else:
             vt = payload["v"].to(torch.float32)
         # unit rows keep decode a bounded operator, so the payload magnitude check bounds the output
@@ -151,7 +165,7 @@ class LowRankCodec(LinkCodec):
         """Exact payload bytes of one frame of ``tokens`` rows ('forward' adds the mean)."""
         k = min(self.k, hidden)
         if self.basis_dtype == "int8":
-            basis = k * hidden + 2 * k  # int8 directions, one bf16 scale each
+            basis = k * hidden + 2 * k * math.ceil(hidden / self._bblock(hidden))  # int8 + bf16 scales
         else:
             basis = k * hidden * self._bdtype.itemsize
         mean = hidden * self._bdtype.itemsize if direction == "forward" else 0
@@ -172,6 +186,8 @@ class LowRankCodec(LinkCodec):
             d.update(block=self.block, scale_dtype=self.scale_dtype)
         if self.exact_projection:
             d["exact_projection"] = True
+        if self.basis_block:
+            d["basis_block"] = self.basis_block
         return d
 
     def payload_dtypes(self) -> dict[str, torch.dtype]:
