@@ -45,6 +45,8 @@ def codec_settings(cfg: NodeConfig, model=None) -> dict:
     elif name == "lowrank":
         k = cfg.codec_k if model is None else min(cfg.codec_k, model.config.hidden_size)
         kw = {"k": k, "coeff_dtype": cfg.pca_dtype, "basis_dtype": cfg.lowrank_basis}
+        if cfg.lowrank_basis == "int8":
+            kw["basis_block"] = 32  # one scale per direction loses the small entries (quality.md)
     elif name in ("topk", "bottleneck"):
         kw = {"k": cfg.codec_k}
     else:
