@@ -205,13 +205,15 @@ def test_a_replica_joining_a_running_stage_is_reanchored(tmp_path):
     assert first.get("reanchor") == "adopted", node["dp"]["records"][:3]
     donor = next(m for m in rep["nodes"] if m["stage"] == 1 and m["peer_id"] != joiner)
     assert any(r.get("reanchor") == "donor" for r in donor["dp"]["records"])
-    # params, m and e in fp32 per adoption: once for the join (again only if a later missed
-    # exchange under load made them part, which re-anchors the same way)
+    # params, m and e in fp32 per re-anchoring: once for the join, again if a later missed exchange
+    # under load made them part (seen in a fresh-clone run: a donor's state can also miss its
+    # adopter's deadline, which then steps alone and is re-anchored at the next exchange)
     numel, pair = node["dp"]["numel"], (node["dp"], donor["dp"])
     received, sent = sum(d["anchor_received"] for d in pair), sum(d["anchor_bytes"] for d in pair)
+    donations = sum(r.get("reanchor") == "donor" for d in pair for r in d["records"])
     adoptions = received // (12 * numel)
-    assert adoptions >= 1 and received == adoptions * 12 * numel, (received, numel)
-    assert adoptions * 12 * numel <= sent <= adoptions * (12 * numel + HEADER), (sent, adoptions)
+    assert 1 <= adoptions <= donations and received == adoptions * 12 * numel, (received, numel, donations)
+    assert donations * 12 * numel <= sent <= donations * (12 * numel + HEADER), (sent, donations)
     c = rep["dp"]["consistency"]["1"]
     # the adoption step is the donor's alone (its group held one lineage): 3 of the joiner's 4
     assert c["synced_steps"] >= 3 and c["equal_steps"] == c["synced_steps"], c
