@@ -175,7 +175,7 @@ def test_a_replica_joining_a_running_stage_is_reanchored(tmp_path):
         # --nodes 2: the head starts once the first two are up; the third joins later
         ["swarm", "--nodes", "2", "--stages", "2", "--model", MODEL, "--mode", "pretrain", "--data", "stdlib"]
         + ["--codec", "dense"]
-        + ["--dp", "scape", "--density", str(DENSITY), "--dp-timeout", "30", "--lr", "3e-3"]
+        + ["--dp", "scape", "--density", str(DENSITY), "--dp-timeout", "10", "--lr", "3e-3"]
         + ["--seq-len", "64", "--microbatch", "4", "--batch-tokens", "512"]
     )
     run_id = f"scapejoin-{os.getpid()}"
@@ -191,11 +191,12 @@ def test_a_replica_joining_a_running_stage_is_reanchored(tmp_path):
         procs.append(proc), stages.append(ready["stage"])
         joiner = ready["peer_id"]
 
-        def synced_after_join():
-            m = next((m for m in read_metrics(tmp_path, 3) if m["peer_id"] == joiner), None)
-            return m and sum(r["group"] == 2 for r in m["dp"]["records"]) >= 4
+        def synced_after_join():  # steps both stage-1 replicas recorded as one group of 2
+            reps = [m for m in read_metrics(tmp_path, 3) if m["stage"] == 1]
+            steps = [{r["step"] for r in m["dp"]["records"] if r["group"] == 2} for m in reps]
+            return len(steps) == 2 and len(steps[0] & steps[1]) >= 3
 
-        wait_for(synced_after_join, 150, "4 synchronised steps after the join")
+        wait_for(synced_after_join, 240, "3 synchronised steps after the join")
     finally:
         stop_nodes(procs, stages)
     rep = build_report(read_metrics(tmp_path, 3), 2)
@@ -215,5 +216,5 @@ def test_a_replica_joining_a_running_stage_is_reanchored(tmp_path):
     assert 1 <= adoptions <= donations and received == adoptions * 12 * numel, (received, numel, donations)
     assert donations * 12 * numel <= sent <= donations * (12 * numel + HEADER), (sent, donations)
     c = rep["dp"]["consistency"]["1"]
-    # the adoption step is the donor's alone (its group held one lineage): 3 of the joiner's 4
+    # the steps waited for above: the same parameters on both after every one of them
     assert c["synced_steps"] >= 3 and c["equal_steps"] == c["synced_steps"], c
