@@ -208,11 +208,6 @@ VARIANTS: dict[str, Variant] = {
         Variant("lowrank48i8b8", "lowrank", {"k": 48, "coeff_dtype": "int8", "basis_dtype": "int8"}),
         Variant("lowrank64i8b8k32", "lowrank", {"k": 64, "basis_dtype": "int8", "basis_block": 32}),
         Variant("lowrank48i8b8k32", "lowrank", {"k": 48, "basis_dtype": "int8", "basis_block": 32}),
-        Variant(
-            "lowrank64i8b8p",
-            "lowrank",
-            {"k": 64, "coeff_dtype": "int8", "basis_dtype": "int8", "exact_projection": True},
-        ),
     ]
 }
 

@@ -26,7 +26,7 @@ from compression.baselines import dequantize_blockwise, quantize_blockwise
 from compression.codec import WIRE_DTYPES, LinkCodec, LinkContext, Payload
 
 COEFF_DTYPES = ("int8", "bfloat16", "float32")
-BASIS_DTYPES = ("int8", "bfloat16", "float32")  # int8: one bf16 absmax scale per direction
+BASIS_DTYPES = ("int8", "bfloat16", "float32")  # int8: bf16 absmax scales (see basis_block)
 _NORM_TOL = 0.05  # decoded basis rows are unit vectors up to rounding; more is a malformed frame
 
 
@@ -58,7 +58,6 @@ class LowRankCodec(LinkCodec):
         block: int = 32,
         scale_dtype: str = "bfloat16",
         basis_dtype: str = "bfloat16",
-        exact_projection: bool = False,
         basis_block: int = 0,
     ):
         if k < 1:
@@ -73,7 +72,6 @@ class LowRankCodec(LinkCodec):
             raise ValueError(f"block must be >= 1, got {block}")
         self.k, self.coeff_dtype, self.block = int(k), coeff_dtype, int(block)
         self.scale_dtype, self.basis_dtype = scale_dtype, basis_dtype
-        self.exact_projection = bool(exact_projection)
         if basis_block < 0:
             raise ValueError(f"basis_block must be >= 0, got {basis_block}")
         # int8 basis: one scale per basis_block entries of a direction (0: one per direction).
@@ -118,10 +116,6 @@ class LowRankCodec(LinkCodec):
     def _encode(self, rows: torch.Tensor) -> Payload:
         out, vt = self._basis(rows)
         c = rows @ vt.T
-        if self.exact_projection:
-            # least-squares coefficients for the rounded basis: the receiver's C·V̂ is then the
-            # orthogonal projection onto span(V̂), although V̂ is no longer exactly orthonormal
-            c = torch.linalg.solve(vt @ vt.T, c.T).T
         if self.coeff_dtype == "int8":
             q, scale = quantize_blockwise(c, self.block, 8, self._sdtype)
             out.update(q=q, scale=scale)
@@ -184,8 +178,6 @@ class LowRankCodec(LinkCodec):
         }
         if self.coeff_dtype == "int8":
             d.update(block=self.block, scale_dtype=self.scale_dtype)
-        if self.exact_projection:
-            d["exact_projection"] = True
         if self.basis_block:
             d["basis_block"] = self.basis_block
         return d

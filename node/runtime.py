@@ -492,8 +492,7 @@ class StageRuntime:
         io, left = asyncio.ensure_future(exchange()), asyncio.ensure_future(gone.wait())
         try:
             await asyncio.wait({io, left}, return_when=asyncio.FIRST_COMPLETED)
-            if not io.done():
-                io.cancel()
+            if not io.done():  # cancelled below
                 raise HopFailed(f"{peer[:12]} left the swarm mid-hop (its record expired)")
             reply = io.result()
         except (asyncio.TimeoutError, ConnectionError, OSError, FrameError) as e:

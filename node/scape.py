@@ -187,11 +187,7 @@ class ScapeSync:
                 await rt.wire.recv(reader, MAX_FRAME_BYTES, rt.cfg.hop_timeout), run_id=rt.run.run_id
             )
             phase = frame.meta.get("phase")
-            if (
-                frame.kind != "scape"
-                or phase not in ("values", "mask", "anchor")
-                or frame.boundary != rt.index
-            ):
+            if frame.kind != "scape" or phase not in _PHASES or frame.boundary != rt.index:
                 raise FrameError("expected a scape frame of this stage")
             if phase == "values":
                 v = frame.tensors.get("v")
@@ -370,10 +366,8 @@ class ScapeSync:
     async def _alone_step(self, t: int, acc: torch.Tensor) -> int:
         self.alone += 1
         self.own_slice, self.slice_group = None, []
-        self.lineage, self.applied = (
-            next_lineage(self.lineage, t, f"alone:{self.rt.peer_id}"),
-            self.applied + 1,
-        )
+        self.lineage = next_lineage(self.lineage, t, f"alone:{self.rt.peer_id}")
+        self.applied += 1
         return await self.rt.compute(self._alone, acc)
 
     # ------------------------------------------------------------------ one inner step
