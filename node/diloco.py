@@ -81,6 +81,7 @@ from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 
 from compression.outer import GaslocOuter, OuterNesterov
 from compression.powersgd import DEFAULT_MIN_COMPRESS_NUMEL, PowerSGD, PowerSGDState, initial_q
+from node.pipes import tolerate_dead_senders
 
 log = logging.getLogger("node")
 
@@ -241,6 +242,10 @@ class _OuterAverager(DecentralizedAverager):
         return self._state_fn()
 
     # ------------------------------------------------------------------ helper side
+    def run(self) -> None:
+        tolerate_dead_senders(self, "outer averager")  # see node/pipes.py
+        super().run()
+
     async def _phase_done(self, phase: str) -> None:
         """Hook after each all-reduce phase ('P', 'Q'); a no-op (tests use it to kill a peer mid-round)."""
 

@@ -23,6 +23,7 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from node.config import NodeConfig
+from node.pipes import tolerate_dead_senders
 from protocol.records import RECORD_TTL_S, RecordError, RunRecord, StageRecord, run_key, stage_key
 
 log = logging.getLogger("node")
@@ -85,6 +86,7 @@ class NodeDHT(DHT):
 
     def run(self) -> None:
         _die_with_parent()
+        tolerate_dead_senders(self, "DHT")  # one request from a dead sender must not end the DHT
         super().run()
 
 
