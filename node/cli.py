@@ -463,21 +463,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_run_args(s)
     s.add_argument("--data", default=_CFG_DEFAULTS["data"], help="training data for the head stage(s)")
-    s.add_argument("--device", default=_CFG_DEFAULTS["device"], choices=["auto", "cuda", "cpu"])
-    s.add_argument("--max-inflight", type=int, default=_CFG_DEFAULTS["max_inflight"])
-    s.add_argument("--hop-timeout", type=float, default=_CFG_DEFAULTS["hop_timeout"])
+    s.add_argument(
+        "--device",
+        default=_CFG_DEFAULTS["device"],
+        choices=["auto", "cuda", "cpu"],
+        help="where every node computes; auto = cuda if present (default: %(default)s)",
+    )
+    s.add_argument(
+        "--max-inflight",
+        type=int,
+        default=_CFG_DEFAULTS["max_inflight"],
+        help="microbatches a head keeps in the pipeline at once (default: %(default)s)",
+    )
+    s.add_argument(
+        "--hop-timeout",
+        type=float,
+        default=_CFG_DEFAULTS["hop_timeout"],
+        help="seconds for one hop's compute and reply, times the hops ahead (default: %(default)s)",
+    )
     s.add_argument("--swarm-key", default=None, help="swarm key file given to every node")
 
     st = sub.add_parser("status", help="print a swarm's run, stages and peers from the DHT")
     st.add_argument("--peers", nargs="+", required=True, help="multiaddr(s) of any peer in the swarm")
-    st.add_argument("--run-id", default="default")
-    st.add_argument("--join-timeout", type=float, default=_CFG_DEFAULTS["join_timeout"])
+    st.add_argument("--run-id", default="default", help="which run to show (default: %(default)s)")
+    st.add_argument(
+        "--join-timeout",
+        type=float,
+        default=_CFG_DEFAULTS["join_timeout"],
+        help="seconds to reach the peers and read the run (default: %(default)s)",
+    )
     st.add_argument("--json", action="store_true", help="print JSON")
 
     h = sub.add_parser(
         "health", help="exit 0 if the local node is alive and serving (for container healthchecks)"
     )
-    h.add_argument("--state-dir", default=None)
+    h.add_argument("--state-dir", default=None, help="the node's state directory (default: the node's)")
 
     sub.add_parser("prepare-model", help="convert the bundled SmolLM2-135M into the local cache (once)")
 
