@@ -31,7 +31,7 @@ from node.membership import (
     start_dht,
     store_stage_record_sync,
 )
-from node.model import ModelSource, combine_hashes, open_model, open_pretrain_model
+from node.model import ModelSource, combine_hashes, open_model, open_pretrain_model, resolve_model_path
 from node.routing import choose_stage
 from node.runtime import StageRuntime
 from node.stages import default_stage_ranges
@@ -206,6 +206,7 @@ def run_join(cfg: NodeConfig) -> int:
     sockdir = socket_dir(cfg.run_id)
     dht = outer = None
     try:
+        resolve_model_path(cfg.model)  # a Hub download, or its offline error, before any daemon starts
         log.info("starting p2pd and the DHT%s", f" (bootstrap: {' '.join(cfg.peers)})" if cfg.peers else "")
         dht = start_dht(cfg)
         peer_id = dht.peer_id.to_base58()
@@ -223,8 +224,7 @@ def run_join(cfg: NodeConfig) -> int:
         run_is_new = run is None
         if run is None:
             run = new_run_record(cfg, model, name, "")
-            run.stage_hashes = source.stage_hashes(run.stages)  # streamed tensor by tensor
-            run.model_hash = combine_hashes(source.config_hash(), run.stage_hashes)
+            run.model_hash, run.stage_hashes = source.run_hashes(run.stages)  # streamed, tensor by tensor
             run.key_id = key_id(key) if key else ""
             publish_run_record(dht, run)
             print(f"started swarm {run.run_id!r}: {name}, {len(run.stages)} stages {run.stages}", flush=True)

@@ -463,8 +463,10 @@ class ModelSource:
                     left -= len(chunk)
         return h.hexdigest()
 
-    def stage_hashes(self, ranges: list[list[int]]) -> list[str]:
-        return [self.stage_hash(ranges, i) for i in range(len(ranges))]
+    def run_hashes(self, ranges: list[list[int]]) -> tuple[str, list[str]]:
+        """(model hash, stage hashes) a new run publishes: every stage hashed, one at a time."""
+        stage_hashes = [self.stage_hash(ranges, i) for i in range(len(ranges))]
+        return combine_hashes(self.config_hash(), stage_hashes), stage_hashes
 
     def load_stage(
         self, ranges: list[list[int]], index: int, device: torch.device, dtype: torch.dtype | None = None
