@@ -241,3 +241,30 @@ def test_a_checkpoint_without_safetensors_is_refused_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(tiny_config().to_dict()))
     with pytest.raises(ModelError, match="no safetensors"):
         open_model(str(tmp_path))
+
+
+def test_bundled_model_two_stages_equal_whole_ci_sized():
+    """The split of the model users get, each stage loaded as a node loads it (the default suite's
+    counterpart of tests/test_stages.py's slow bundled test: two stages, one short input)."""
+    from node.model import load_model
+
+    source = open_model("bundled")
+    ranges = default_stage_ranges(source.skeleton, 2)
+    stages = [source.load_stage(ranges, i, torch.device("cpu")) for i in range(2)]
+    whole, tok, _ = load_model("bundled")  # transformers' own from_pretrained of the same files
+    ids = torch.tensor([tok("Q: 12+34=\nA: 46")["input_ids"]])
+    ref_logits = whole(input_ids=ids).logits
+    causal_lm_loss(ref_logits, ids)[0].backward()
+    logits = _run_pipeline(stages, ids, ids)
+    torch.testing.assert_close(logits, ref_logits.detach(), rtol=0, atol=1e-4)
+    grads = _grads_by_checkpoint_name(stages, ranges)
+    ref = dict(whole.named_parameters())
+    last = whole.config.num_hidden_layers - 1
+    for n in (
+        "model.embed_tokens.weight",  # tied: the head's lookup and the tail's lm_head together
+        "model.layers.0.self_attn.q_proj.weight",
+        f"model.layers.{ranges[1][0]}.mlp.gate_proj.weight",
+        f"model.layers.{last}.mlp.down_proj.weight",
+        "model.norm.weight",
+    ):
+        torch.testing.assert_close(grads[n], ref[n].grad, rtol=1e-3, atol=1e-6, msg=f"gradient of {n}")
