@@ -262,6 +262,11 @@ def run_join(cfg: NodeConfig) -> int:
                 cfg.stage = str(resume_from.counters["stage"])  # back to the stage the checkpoint holds
         mem = stage_memory(cfg, run, model, device)
         index = claim_stage(cfg, dht, run, peer_id, stages_that_fit(cfg, mem))
+        if not run_is_new and source.stage_hash(run.stages, index) != run.stage_hashes[index]:
+            raise JoinError(
+                f"this node's weights of stage {index} differ from the run's (hash mismatch); "
+                "pass the same --model checkpoint as the swarm, or download it again"
+            )
         start, end = run.stages[index]
         print(
             f"peer {peer_id} serves stage {index} (layers {start}..{end - 1}) on {device}, "
@@ -272,11 +277,6 @@ def run_join(cfg: NodeConfig) -> int:
             with open(cfg.ready_file + ".tmp", "w") as f:
                 json.dump({"peer_id": peer_id, "maddrs": maddrs, "stage": index}, f)
             os.replace(cfg.ready_file + ".tmp", cfg.ready_file)
-        if not run_is_new and source.stage_hash(run.stages, index) != run.stage_hashes[index]:
-            raise JoinError(
-                f"this node's weights of stage {index} differ from the run's (hash mismatch); "
-                "pass the same --model checkpoint as the swarm, or download it again"
-            )
         stage = source.load_stage(run.stages, index, device)
         del model, source
         data = None

@@ -305,8 +305,10 @@ def content_hash(model: torch.nn.Module) -> str:
 
 
 def config_digest(config) -> str:
+    """Hash of what the config says about the model; not where it was read from (``_name_or_path``)."""
+    fields = {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}
     return hashlib.blake2b(
-        json.dumps(config.to_dict(), sort_keys=True, default=str).encode(), digest_size=16
+        json.dumps(fields, sort_keys=True, default=str).encode(), digest_size=16
     ).hexdigest()
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -268,3 +269,85 @@ def test_bundled_model_two_stages_equal_whole_ci_sized():
         "model.norm.weight",
     ):
         torch.testing.assert_close(grads[n], ref[n].grad, rtol=1e-3, atol=1e-6, msg=f"gradient of {n}")
+
+
+@pytest.mark.slow  # writes a 1.9 GB checkpoint and starts 6 processes: ~4 min on 2 shared cores
+def test_a_node_serving_one_of_four_stages_peaks_below_half_the_fp32_model(tmp_path):
+    from bench.stage_memory import big_config, measure, write_random_checkpoint
+
+    full = write_random_checkpoint(tmp_path / "ckpt", big_config(24))
+    assert full >= 1e9
+    res = measure(tmp_path / "ckpt")
+    bare = res["bare_torch_peak"]
+    for i, s in enumerate(res["stages"]):
+        assert s["peak"] - bare < 0.5 * full, f"stage {i}: {(s['peak'] - bare) / full:.0%} of the model"
+    assert res["starter_hashing"]["peak"] - bare < 0.5 * full
+
+
+def test_a_joiner_verifies_only_the_stage_it_serves(tmp_path):
+    """Real `node join` processes on a checkpoint: a joiner whose copy differs in stage 1 may serve
+    stage 0, is refused stage 1 in one line, and one whose config differs is refused outright."""
+    import shutil
+    import signal
+
+    ours = _save("llama-tied", tmp_path / "ours")
+    theirs = tmp_path / "theirs"
+    shutil.copytree(ours, theirs)
+    index = json.loads((theirs / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = theirs / index["model.layers.3.mlp.up_proj.weight"]  # the last layer: always the tail's
+    tensors = load_file(shard)
+    tensors["model.layers.3.mlp.up_proj.weight"][0, 0] += 1.0
+    save_file(tensors, shard, metadata={"format": "pt"})
+    other_config = tmp_path / "other-config"
+    shutil.copytree(ours, other_config)
+    cfg = json.loads((other_config / "config.json").read_text())
+    (other_config / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-5}))
+
+    def join(*args, state):
+        cmd = [sys.executable, "-m", "node", "join", "--codec", "dense", "--state-dir", str(tmp_path / state)]
+        # output to files, never a pipe that fills up; the child keeps its own copies of the handles
+        with open(tmp_path / f"{state}.out", "w") as out, open(tmp_path / f"{state}.err", "w") as err:
+            return subprocess.Popen([*cmd, *args], stdout=out, stderr=err, text=True)
+
+    def text(state, kind="err"):
+        return (tmp_path / f"{state}.{kind}").read_text()
+
+    ready = tmp_path / "ready.json"
+    starter = join(
+        "--model", str(ours), "--stages", "2", "--stage", "1", "--ready-file", str(ready), state="s"
+    )
+    procs = [starter]
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert starter.poll() is None and time.monotonic() < deadline, text("s")[-2000:]
+            time.sleep(0.2)
+        info = json.loads(ready.read_text())
+        peers = [a if "/p2p/" in a else f"{a}/p2p/{info['peer_id']}" for a in info["maddrs"]]
+        common = ["--peers", *peers, "--join-timeout", "60"]
+        refused = join(*common, "--model", str(theirs), "--stage", "1", state="j1")
+        wrong_config = join(*common, "--model", str(other_config), "--stage", "0", state="j2")
+        accepted = join(*common, "--model", str(theirs), "--stage", "0", state="j3")
+        procs += [refused, wrong_config, accepted]
+        for p, state, needle in (
+            (refused, "j1", "weights of stage 1 differ"),
+            (wrong_config, "j2", "differs from the run's"),
+        ):
+            p.wait(timeout=120)
+            err = text(state)
+            assert p.returncode == 2 and "Traceback" not in err, err[-2000:]
+            assert needle in err.strip().splitlines()[-1]
+        deadline = time.monotonic() + 120
+        while "serves stage 0" not in text("j3", "out"):  # printed once it verified and claimed its stage
+            assert accepted.poll() is None and time.monotonic() < deadline, text("j3")[-2000:]
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
