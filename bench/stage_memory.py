@@ -8,8 +8,7 @@ tensor by tensor so the writer never holds the model), then runs, each in a fres
 * a bare ``import torch`` process: the baseline;
 * for every stage of a 4-stage split, the joiner's path of ``node join``: read the config,
   estimate each stage's memory from a weightless skeleton, hash the claimed stage's stored
-  tensors, load only them (``ModelSource.load_stage``), run one forward and backward through the
-  stage;
+  tensors, load only them (``ModelSource.load_stage``), run one forward through the stage;
 * the starter's path: hash every stage by streaming the files, without loading any weight.
 
 Each process reports its peak RSS (``VmHWM``). The figure of merit is the peak beyond the
@@ -116,7 +115,8 @@ else:
     digest = source.stage_hash(ranges, index)
     stage = source.load_stage(ranges, index, cpu)
     x = torch.randint(0, c.vocab_size, (1, 16)) if stage.is_head else torch.randn(1, 16, c.hidden_size)
-    stage(x).float().square().mean().backward()
+    with torch.no_grad():  # the stage computes; training state (grads, AdamW) is the estimate's part
+        stage(x)
     out = {"params": sum(p.numel() for p in stage.parameters()), "estimate": mem[index]["states"]}
 out["peak"] = HWM
 out["ranges"] = ranges
@@ -181,7 +181,10 @@ vocab 32000, untied, {full / 1e9:.2f} GB in fp32 safetensors shards of <= 512 Mi
 
 Each row is a fresh process on the joiner's path of `node join`: config, memory estimate from a
 weightless skeleton, hash of the claimed stage's stored tensors, load of only that stage, one
-forward and backward. Baseline: a bare `import torch` process peaks at {bare / mb:.0f} MiB.
+forward. What training adds on top (gradients, AdamW moments, activations) is what the node's
+memory estimate (`node.devices.stage_memory_bytes`) counts and `--max-memory` checks before any
+weight is loaded: {res["stages"][0]["estimate"] / mb:.0f} MiB of weight+grad+AdamW state for stage 0.
+Baseline: a bare `import torch` process peaks at {bare / mb:.0f} MiB.
 
 | stage | layers | parameters | peak RSS (MiB) | beyond bare torch (MiB) | share of the full fp32 model |
 |---|---|---|---|---|---|
