@@ -19,8 +19,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         default=d["model"],
-        help="'bundled' (SmolLM2-135M-Instruct, offline), 'tiny[:LAYERS]' (random init, for tests), "
-        "or a local Hugging Face Llama-family checkpoint directory (default: %(default)s)",
+        help="'bundled' (SmolLM2-135M-Instruct, offline), 'tiny[:LAYERS]' (random init, for tests), a Hub id "
+        "(owner/name, fetched once) or a local Llama/Qwen2/Qwen3/Mistral checkpoint (default: %(default)s)",
     )
     g.add_argument(
         "--stages", type=int, default=d["stages"], help="pipeline stages of a new run (default: %(default)s)"

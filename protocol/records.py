@@ -87,6 +87,9 @@ class RunRecord:
     batch_tokens: int = 1024  # tokens a node accumulates before its inner optimizer step
     protocol: int = PROTOCOL_VERSION
     key_id: str = ""  # fingerprint of the swarm key frames must be signed with ("" = open swarm)
+    # content hash of each stage's config + tensors as stored; model_hash combines them, so a node
+    # verifies only the stage it serves (node.model.ModelSource.stage_hash)
+    stage_hashes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -127,8 +130,14 @@ class RunRecord:
                 "batch_tokens": int,
                 "protocol": int,
                 "key_id": str,
+                "stage_hashes": list,
             },
         )
+        if rec.stage_hashes and not (
+            len(rec.stage_hashes) == len(rec.stages)
+            and all(isinstance(h, str) and len(h) == 32 for h in rec.stage_hashes)
+        ):
+            raise RecordError("run record stage_hashes must be one 32-character hash per stage")
         if rec.protocol != PROTOCOL_VERSION:
             raise RecordError(
                 f"run speaks protocol {rec.protocol}, this node speaks {PROTOCOL_VERSION}; "
