@@ -42,7 +42,7 @@ def test_max_memory_limits_the_stages_a_node_claims():
     assert stages_that_fit(NodeConfig(max_memory_gb=0.5), mem) == set()
 
 
-@pytest.mark.parametrize("device,dtype", [("cpu", torch.float32), ("cuda", torch.bfloat16)])
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.float32), ("cuda", torch.float32)])
 def test_state_estimate_is_what_adamw_allocates(device, dtype):
     """Weights, grads and AdamW moments as torch allocates them in the dtype a node loads on that
     device (counted on the CPU: the bytes, not the device, are checked)."""
