@@ -14,13 +14,16 @@ _CFG_DEFAULTS = {f.name: f.default for f in fields(NodeConfig) if not callable(f
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
     """Settings of a new run (used by the node that starts a swarm; joiners read them from the DHT)."""
-    g = p.add_argument_group("run settings (first node only; joiners take them from the swarm)")
+    g = p.add_argument_group(
+        "run settings (first node only; joiners take them from the swarm, except --model)"
+    )
     d = _CFG_DEFAULTS
     g.add_argument(
         "--model",
         default=d["model"],
         help="'bundled' (SmolLM2-135M-Instruct, offline), 'tiny[:LAYERS]' (random init, for tests), "
-        "or a local Hugging Face Llama-family checkpoint directory (default: %(default)s)",
+        "or a local Hugging Face Llama-family checkpoint directory; joiners pass the same --model "
+        "(the join command the first node prints carries it) (default: %(default)s)",
     )
     g.add_argument(
         "--stages", type=int, default=d["stages"], help="pipeline stages of a new run (default: %(default)s)"
@@ -314,6 +317,12 @@ def add_network_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--run-id", default=d["run_id"], help="which run of the swarm to join (default: %(default)s)"
+    )
+    g.add_argument(
+        "--new-run",
+        action="store_true",
+        help="with --peers: start --run-id on that DHT (e.g. a plain hivemind bootstrap peer) instead "
+        "of joining it; refused if the run already exists",
     )
     g.add_argument(
         "--circuit",

@@ -16,6 +16,7 @@ class NodeConfig:
     # swarm membership
     peers: list[str] = field(default_factory=list)
     run_id: str = "default"
+    new_run: bool = False  # with --peers: start run_id on that DHT (refused if the run exists)
     stage: str = "auto"  # auto | stage index
     circuit: str = "fast"
     # network
