@@ -104,9 +104,10 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--outer-every",
         type=int,
-        default=d["outer_every"],
+        default=None,
         help="DiLoCo: inner steps between outer rounds in which the replicas of a stage average "
-        "their pseudo-gradients; 0 = never (default: %(default)s)",
+        f"their pseudo-gradients (a stage with one replica skips them); 0 = never (default: "
+        f"{d['outer_every']}, 0 with --dp scape)",
     )
     g.add_argument(
         "--powersgd-rank",
@@ -400,6 +401,8 @@ def run_arg_flags(args: argparse.Namespace) -> list[str]:
     out: list[str] = []
     for action in probe._actions:
         value = getattr(args, action.dest)
+        if value is None:  # not given and resolved by the node itself (--outer-every)
+            continue
         if isinstance(action, argparse._StoreTrueAction):
             out += [action.option_strings[0]] if value else []
         else:
@@ -476,6 +479,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-inflight", type=int, default=_CFG_DEFAULTS["max_inflight"])
     s.add_argument("--hop-timeout", type=float, default=_CFG_DEFAULTS["hop_timeout"])
     s.add_argument("--swarm-key", default=None, help="swarm key file given to every node")
+    s.add_argument(
+        "--restart-dead",
+        action="store_true",
+        help="restart a node that dies with --resume (its checkpoint, then the stage's current "
+        "weights); without it the run goes on while every stage keeps a live node",
+    )
 
     st = sub.add_parser("status", help="print a swarm's run, stages and peers from the DHT")
     st.add_argument("--peers", nargs="+", required=True, help="multiaddr(s) of any peer in the swarm")
@@ -505,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("hivemind", "transformers", "httpx", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING if not args.verbose else logging.INFO)
     if args.cmd in ("join", "swarm"):
+        if args.outer_every is None:  # DiLoCo rounds by default; SCAPE syncs every step instead
+            args.outer_every = 0 if args.dp == "scape" else _CFG_DEFAULTS["outer_every"]
         try:
             check_run_flags(args)
         except FlagError as e:

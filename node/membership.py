@@ -67,6 +67,12 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def parent_death_signal(sig: int) -> None:
+    """Have the kernel send ``sig`` to this process when its parent dies (Linux PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)
+
+
 def _die_with_parent(parent_pid: int) -> None:
     """In the DHT process: when the node process dies (even by SIGKILL), take p2pd down too.
 
@@ -84,8 +90,7 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
     signal.signal(signal.SIGTERM, on_term)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    parent_death_signal(signal.SIGTERM)
     # The parent died before prctl took effect (we were re-parented). Compare with the node's
     # real PID, not 1: in a container the node itself is PID 1.
     if os.getppid() != parent_pid:
@@ -310,3 +315,46 @@ async def store_stage_record(
             timeout=timeout,
         )
     )
+
+
+EMPTY_STAGE_NOTICE_S = 30.0  # a next stage empty this long gets one clear line, then back-off
+EMPTY_STAGE_MAX_BACKOFF_S = 30.0
+
+
+class EmptyStageBackoff:
+    """Head: how long a slot waits after a microbatch found no live peer downstream.
+
+    For the first ``EMPTY_STAGE_NOTICE_S`` (a node restarting, a record expiring) each drop waits
+    ``base_s`` and is logged; past that the stage is taken as empty: one line says so, drops are
+    silent and the wait doubles up to ``EMPTY_STAGE_MAX_BACKOFF_S``, until a microbatch is served.
+    """
+
+    def __init__(self) -> None:
+        self.since: float | None = None  # first drop of the current empty spell
+        self.delay = 0.0
+        self.noticed = False
+
+    def dropped(self, reason: str, base_s: float) -> float:
+        """Seconds to hold the slot after a microbatch dropped because ``reason``."""
+        now = time.monotonic()
+        if self.since is None:
+            self.since, self.delay = now, base_s
+        if now - self.since < EMPTY_STAGE_NOTICE_S:
+            log.warning("dropped a microbatch: %s", reason)
+            return base_s
+        if not self.noticed:
+            self.noticed = True
+            log.warning(
+                "%s for %.0fs: holding microbatches back, retrying with back-off up to %.0fs, until a "
+                "node serves it",
+                reason,
+                now - self.since,
+                EMPTY_STAGE_MAX_BACKOFF_S,
+            )
+        self.delay = min(2 * self.delay, EMPTY_STAGE_MAX_BACKOFF_S)
+        return self.delay
+
+    def served(self) -> None:
+        if self.noticed:
+            log.warning("the pipeline is whole again: training resumes")
+        self.since, self.noticed = None, False
