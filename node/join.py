@@ -266,6 +266,7 @@ def run_join(cfg: NodeConfig) -> int:
             if run_is_new:  # the starter holds the whole pretrained model: calibrate every boundary
                 for b, payload in enumerate(calibrate_bases(cfg, run, model, tok)):
                     bases.add(b, payload)
+                publish_run_record(dht, run)  # calibrating may outlast its lifetime
         resume_from = None
         if cfg.resume:
             resume_from = newest_for_run(cfg.state_dir, run.run_id)
