@@ -311,7 +311,7 @@ def outer_line(outer: Mapping) -> str:
     """The demo's last line: whether replicas of a stage averaged, and how far apart they ended."""
     dist = outer.get("max_replica_distance")
     return (
-        f"outer rounds {outer.get('rounds', 0)} (skipped {outer.get('skipped', 0)})  "
+        f"outer rounds {outer.get('rounds', 0)} ({outer.get('skipped', 0)} skipped or alone)  "
         f"replica distance {'-' if dist is None else f'{dist:.3g}'}"
     )
 
