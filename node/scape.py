@@ -43,7 +43,9 @@ to be agreed across the change. A replica behind in step count (a joiner, a resu
 jumps to the step its peers' values name. Adoption costs 12 bytes per parameter, once.
 
 The first moments, the error buffer, the lineage and the step count are checkpointed with
-the stage (``state_dict``).
+the stage (``state_dict``). ``ScapeSync`` is a step strategy (``node.step``): it gets the
+stage's shared context, the step gate and the route refresh, never the runtime, and returns
+the step index it took (a replica that lags joins its peers at theirs).
 """
 
 from __future__ import annotations
@@ -54,12 +56,14 @@ import logging
 import time
 import zlib
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 
 import torch
 from hivemind.p2p import PeerID
 
 from compression.scape import adams_masked_step_, adams_step_, mask_scores, next_mask
 from node.anchors import fast_peers_of_stage
+from node.step import StepGate, StepResult, mean_and_clip
 from node.transport import close_quietly
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame
 
@@ -155,10 +159,18 @@ def decode_slice(tensors: dict[str, torch.Tensor], rank: int, world: int, numel:
 class ScapeSync:
     """One replica's side of SCAPE (see the module docstring); its ``step`` replaces AdamW."""
 
-    def __init__(self, runtime, density: float, timeout: float):
-        self.rt = runtime
+    def __init__(
+        self,
+        ctx,
+        gate: StepGate,
+        refresh_routes: Callable[[], Awaitable[None]],
+        density: float,
+        timeout: float,
+    ):
+        self.rt = ctx  # node.context.StageContext
+        self.gate, self.refresh_routes = gate, refresh_routes
         self.density, self.timeout = float(density), float(timeout)
-        self.params = runtime.params
+        self.params = ctx.params
         self.segments = [p.numel() for p in self.params]
         self.numel = sum(self.segments)
         self.m = torch.zeros(self.numel)
@@ -246,14 +258,8 @@ class ScapeSync:
         return got
 
     # ------------------------------------------------------------------ compute (worker thread)
-    def _local_acc(self) -> tuple[torch.Tensor, bool]:
-        rt = self.rt
-        n = max(rt._acc_micro, 1)
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.div_(n)
-        norm = torch.nn.utils.clip_grad_norm_(self.params, rt.run.clip)
-        ok = bool(torch.isfinite(norm))
+    def _local_acc(self, microbatches: int) -> tuple[torch.Tensor, bool]:
+        ok = mean_and_clip(self.params, microbatches, self.rt.run.clip)
         if ok:
             g = torch.cat(
                 [
@@ -263,7 +269,8 @@ class ScapeSync:
             )
         else:  # a non-finite gradient never reaches the weights: this replica contributes zeros
             g = torch.zeros(self.numel)
-        rt.opt.zero_grad(set_to_none=True)
+        for p in self.params:
+            p.grad = None
         return g + self.err, ok
 
     def _apply(
@@ -371,24 +378,25 @@ class ScapeSync:
         return await self.rt.compute(self._alone, acc)
 
     # ------------------------------------------------------------------ one inner step
-    async def step(self, t: int) -> bool:
+    async def step(self, t: int, microbatches: int) -> StepResult:
+        """Inner step ``t`` over the gradients of ``microbatches`` microbatches (see the module docstring)."""
         rt = self.rt
         t0 = time.perf_counter()
-        acc, ok = await rt.compute(self._local_acc)
-        await rt.refresh_routes()
+        acc, ok = await rt.compute(self._local_acc, microbatches)
+        await self.refresh_routes()
         peers = sorted(fast_peers_of_stage(rt))
         record = {"step": t, "group": 1, "nnz": self.numel, "values_bytes": 0, "mask_bytes": 0}
         if not peers:  # alone on the stage: a plain AdamS step on our own gradient
             record["digest"] = await self._alone_step(t, acc)
             record["seconds"] = time.perf_counter() - t0
             self.records.append(record)
-            return ok
+            return StepResult(ok, t)
         caught_up = self._catch_up(t, peers)
         if caught_up != t:
             log.info(
                 "scape: the stage's replicas are at step %d, this one at %d; joining them there", caught_up, t
             )
-            t = rt.inner_step = caught_up  # the runtime counts on from here
+            t = caught_up  # returned: the runtime counts on from here
             record["step"] = t
             self.own_slice, self.slice_group = None, []  # no mask agreed for this step: sync densely
         mask = None
@@ -413,12 +421,12 @@ class ScapeSync:
             tensors={"v": own},
             meta={"phase": "values", "digest": digest, "lineage": self.lineage, "applied": self.applied},
         )
-        await rt.gate.set_refusing(True)  # upstream sends microbatches to the replicas still computing
+        await self.gate.set_refusing(True)  # upstream sends microbatches to the replicas still computing
         try:
             sent = await self._broadcast(peers, frame)
             got = await self._collect("values", t, peers)
         finally:
-            await rt.gate.set_refusing(False)
+            await self.gate.set_refusing(False)
         self.values_bytes += sent
         views = {rt.peer_id: (self.lineage, self.applied)}
         for peer, f in got.items():
@@ -444,7 +452,7 @@ class ScapeSync:
                 nnz=int(own.numel()), dense=mask is None, values_bytes=sent, seconds=time.perf_counter() - t0
             )
             self.records.append(record)
-            return ok
+            return StepResult(ok, t)
         values = {rt.peer_id: own}
         for peer, f in got.items():
             if peer not in holders:
@@ -497,7 +505,7 @@ class ScapeSync:
             seconds=time.perf_counter() - t0,
         )
         self.records.append(record)
-        return ok
+        return StepResult(ok, t)
 
     def joined(self) -> None:
         """This replica pulled the current weights (bf16, without m and e) from a running stage."""
