@@ -18,7 +18,6 @@ import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from node.cli import run_arg_flags
 from node.report import build_report, plot_loss
 
 READY_TIMEOUT_S = 300.0  # first start may convert the bundled model (~20-40 s on 2 cores)
@@ -70,7 +69,7 @@ def node_command(
         str(args.nodes + args.anchors * args.stages),
     ]
     # every node gets the run settings; only the first one's are published, the rest verify the model
-    cmd += run_arg_flags(args)
+    cmd += args.run_arg_flags(args)  # set by node.cli's swarm parser
     if circuit != "fast":
         cmd += ["--circuit", circuit]
     if args.swarm_key:
