@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
@@ -33,7 +32,6 @@ class Metrics:
         self.dropped = 0
         self.rejected_frames = 0
         self.skipped_steps = 0
-        self.compute_s = 0.0
         self.filter_s = 0.0
         self.state_pull_bytes = 0
         self.outer_rounds: list[dict] = []
@@ -70,7 +68,3 @@ def write_json_atomic(path: str, data: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(data, f)
     os.replace(tmp, path)  # readers never see a half-written file
-
-
-def now() -> float:
-    return time.monotonic()
