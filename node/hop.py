@@ -2,7 +2,7 @@
 
 A hop is one libp2p stream: the FORWARD frame goes out and the BACKWARD frame for the same
 microbatch comes back once everything downstream has finished, or an ERROR frame. The reply's
-bytes are parsed in the compute thread (``decode``), never on the event loop.
+bytes are parsed in the compute thread (``parse``), never on the event loop.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import asyncio
 import logging
 import random
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from hivemind.p2p import PeerID
 
@@ -46,9 +46,9 @@ def gone_peers(watched: dict[str, int], routes: list[dict[str, StageRecord]]) ->
 
 
 class HopClient:
-    def __init__(self, ctx: StageContext, decode: Callable[[bytes], Awaitable[Frame]]) -> None:
+    def __init__(self, ctx: StageContext, parse: Callable[[bytes], Frame]) -> None:
         self.ctx = ctx
-        self.decode = decode  # reply bytes -> Frame, in the compute thread
+        self.parse = parse  # reply bytes -> Frame (node.linkio.LinkIO.parse), run in the compute thread
         self.rng = random.Random(zlib.crc32(ctx.peer_id.encode()) ^ ctx.cfg.seed)
         # peers we have hops in flight to -> (their stage, an event set when their record leaves
         # the DHT; see call_peer)
@@ -101,7 +101,7 @@ class HopClient:
             io.cancel()
             close_quietly(writer)
         try:
-            frame = await self.decode(reply)
+            frame = await ctx.compute(self.parse, reply)
         except FrameError as e:
             raise HopFailed(f"{peer[:12]} sent an invalid reply: {e}") from None
         if frame.kind == "error":

@@ -22,6 +22,7 @@ from protocol.frames import (
     OutOfRange,
     ShapeMismatch,
     check_payload_magnitude,
+    decode_frame,
     pack_labels,
     unpack_labels,
 )
@@ -40,6 +41,10 @@ class LinkIO:
         self.link_in = None if index == 0 else Link(run, index - 1, dense_only)
         self.link_out = None if index == n_stages - 1 else Link(run, index, dense_only)
         self.bases = None  # node.basis.BasisStore when the run's codec needs a basis
+
+    def parse(self, data: bytes) -> Frame:
+        """Frame bytes -> Frame, every check of ``protocol.frames`` included (compute thread)."""
+        return decode_frame(data, run_id=self.run.run_id)
 
     # ------------------------------------------------------------ receiving a FORWARD frame
     def check_forward(self, frame: Frame) -> LinkCodec:

@@ -34,7 +34,6 @@ from node.server import ForwardServer
 from node.stages import Stage
 from node.state import StageState
 from node.step import AdamWStep, AnchorStep, Busy, StepGate, Stepper
-from protocol.frames import Frame, decode_frame
 from protocol.records import RunRecord
 
 __all__ = ["HANDLER", "Busy", "HopFailed", "StageRuntime", "gone_peers"]
@@ -84,7 +83,7 @@ class StageRuntime(Lifecycle):
         self.gate = StepGate(cfg.max_inflight)
         self.state = StageState(ctx, self.opt)
         self.linkio = LinkIO(run, stage_index, stage.config.vocab_size, peer_id, cfg.circuit == "anchor")
-        self.hops = HopClient(ctx, self._decode)
+        self.hops = HopClient(ctx, self.linkio.parse)
         self.maddrs: list[str] = []
         self.outer = outer  # node.diloco.OuterSync when the run averages replicas
         self.anchor = self.filter = self.weight_server = self.packet_sink = self.scape = None
@@ -123,7 +122,8 @@ class StageRuntime(Lifecycle):
         self.pipeline = Pipeline(
             ctx, self.gate, self.linkio, self.hops, self.stepper, data_stream, DROP_BACKOFF_S
         )
-        self.server = ForwardServer(ctx, self.pipeline.serve_forward, self.stepper.step_if_due)
+        serve, step = self.pipeline.serve_forward, self.stepper.step_if_due
+        self.server = ForwardServer(ctx, self.linkio.parse, serve, step)
         # the entry points others call
         self.serve_forward = self.pipeline.serve_forward
         self.handle_stream = self.server.handle_stream
@@ -133,12 +133,6 @@ class StageRuntime(Lifecycle):
         self.restore = self.state.restore
         self.checkpoint = self.state.checkpoint
         self.pool, self.ckpt_pool = self.compute.pool, self.state.pool
-
-    async def _decode(self, data: bytes) -> Frame:
-        return await self.compute(self._parse, data)
-
-    def _parse(self, data: bytes) -> Frame:
-        return decode_frame(data, run_id=self.run.run_id)
 
     # ------------------------------------------------------------ shared state, set from outside
     wire = _shared("ctx", "wire")  # join.py sets the swarm key's Wire after construction

@@ -19,7 +19,7 @@ from node.context import StageContext
 from node.hop import HopFailed
 from node.transport import close_quietly
 from node.wire import Unauthorized
-from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame, error_frame
+from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, encode_frame, error_frame
 
 log = logging.getLogger("node")
 
@@ -28,16 +28,15 @@ class ForwardServer:
     def __init__(
         self,
         ctx: StageContext,
+        parse: Callable[[bytes], Frame],
         serve: Callable[[Frame], Awaitable[Frame]],
         after_reply: Callable[[], Awaitable[None]],
     ) -> None:
         self.ctx = ctx
+        self.parse = parse  # bytes -> Frame, run in the compute thread (node.linkio.LinkIO.parse)
         self.serve = serve  # FORWARD frame -> BACKWARD frame (node.pipeline.Pipeline.serve_forward)
         self.after_reply = after_reply  # the step, when one is due
         self.bans = BanList()
-
-    def _decode(self, data: bytes) -> Frame:
-        return decode_frame(data, run_id=self.ctx.run.run_id)
 
     async def handle_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         ctx = self.ctx
@@ -49,7 +48,7 @@ class ForwardServer:
                 return
             try:
                 data = await ctx.wire.recv(reader, MAX_FRAME_BYTES, ctx.cfg.hop_timeout)
-                frame = await ctx.compute(self._decode, data)
+                frame = await ctx.compute(self.parse, data)
                 reply = await self.serve(frame)
                 served = True
                 self.bans.record_good(peer)
