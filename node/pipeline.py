@@ -1,17 +1,18 @@
 """The walk of one microbatch through this stage (docs/ARCHITECTURE.md draws it).
 
 Head: ``head_loop`` draws a microbatch when the step gate has a slot, ``run_microbatch``
-walks it. Body and tail: the forward stream handler (``node.server``) parses the FORWARD frame
-and calls ``serve_forward``. Both then go through ``run_rest``:
+walks it. Body and tail: the forward stream handler (``node.server``) hands the frame's bytes
+to ``serve``. Each side of a hop is one compute call in and one out:
 
-1. forward and encode, one compute call: the stage's forward, then the output link's codec
-   and the frame's bytes (the tail instead computes its loss and backward);
-2. the hop: the bytes go to a peer of the next stage, whose BACKWARD frame comes back once
+1. in: parse, check and decode the FORWARD frame (``accept``);
+2. forward and encode: the stage's forward, the output link's codec and the frame's bytes
+   (the tail instead computes its loss and backward, and its reply, in one call);
+3. the hop: the bytes go to a peer of the next stage, whose BACKWARD frame comes back once
    everything downstream has finished (``node.hop``);
-3. decode and backward, one compute call: the gradient of our output, then our backward.
+4. decode and backward: the gradient of our output, our backward, and the BACKWARD reply
+   upstream encoded to bytes.
 
-``serve_forward`` then encodes the gradient of our input as the BACKWARD reply and counts the
-microbatch into the next step; the server sends the reply *before* the step is taken.
+The server sends the reply, and only then is the microbatch's step taken, if one is due.
 """
 
 from __future__ import annotations
@@ -63,13 +64,30 @@ class Pipeline:
         return y, leaf, dataclasses.replace(down, tensors={}), data  # the header is all decode needs
 
     def _decode_backward(
-        self, down: Frame, bwd: Frame, y: torch.Tensor, leaf: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        grad_y = self.linkio.decode_gradient(down, bwd)
-        return self.ctx.compute.backward(y, grad_y, leaf)
+        self, down: Frame, bwd: Frame, y: torch.Tensor, leaf: torch.Tensor | None, upstream: Frame | None
+    ) -> tuple[Frame, bytes] | None:
+        grad_x = self.ctx.compute.backward(y, self.linkio.decode_gradient(down, bwd), leaf)
+        return self._reply(upstream, grad_x, _loss_meta(bwd))
 
-    def _tail(self, x: torch.Tensor, labels: torch.Tensor):
-        return self.ctx.compute.tail(self.ctx.stage, x, labels, self.ctx.is_head)
+    def _tail(self, x: torch.Tensor, labels: torch.Tensor, upstream: Frame | None):
+        loss, n_loss, grad_x = self.ctx.compute.tail(self.ctx.stage, x, labels, self.ctx.is_head)
+        meta = {"loss": loss, "tokens": n_loss}
+        return meta, self._reply(upstream, grad_x, meta)
+
+    def _reply(self, upstream: Frame | None, grad_x, meta: dict) -> tuple[Frame, bytes] | None:
+        """The BACKWARD frame answering ``upstream`` and its bytes (None on the head)."""
+        if upstream is None:
+            return None
+        reply = self.linkio.reply(upstream, grad_x, meta)
+        return reply, encode_frame(reply)
+
+    def _accept(self, data: bytes):
+        """Parse and check a FORWARD frame; decode it too unless a basis must be fetched first."""
+        frame = self.linkio.parse(data)
+        codec = self.linkio.check_forward(frame)
+        if self.linkio.bases is not None and not codec.holds_basis(frame.basis_version):
+            return frame, codec, None
+        return frame, codec, self.linkio.decode_input(frame)
 
     # ------------------------------------------------------------ the walk
     async def run_rest(
@@ -81,20 +99,22 @@ class Pipeline:
         path: list[str],
         tokens: int,
         token_ids: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor | None, dict]:
+        upstream: Frame | None = None,
+    ) -> tuple[dict, tuple[Frame, bytes] | None]:
         """Run this stage on ``x``, send the result on and backprop the reply.
 
         ``token_ids`` (batch, tokens): the microbatch's input ids, for codecs whose payload
         carries them (subspace); the head has them in ``x``, a body stage from its input payload.
-        Returns the gradient with respect to ``x`` (None on the head) and the tail's loss meta.
+        ``upstream``: the FORWARD frame being served (None on the head), answered in the same
+        compute call as the backward. Returns the tail's loss meta and the reply with its bytes.
         Raises HopFailed when the next stage cannot be reached.
         """
         ctx = self.ctx
         t0 = time.perf_counter()
         if ctx.is_tail:
-            loss, n_loss, grad_x = await ctx.compute(self._tail, x, labels)
+            meta, reply = await ctx.compute(self._tail, x, labels, upstream)
             self._record_throughput(tokens, time.perf_counter() - t0)
-            return grad_x, {"loss": loss, "tokens": n_loss}
+            return meta, reply
         try:
             y, leaf, down, data = await ctx.compute(
                 self._forward_encode, x, labels, step, mb, path, token_ids
@@ -104,26 +124,35 @@ class Pipeline:
         self._record_throughput(tokens, time.perf_counter() - t0)
         bwd = await self.hops.send_downstream(data, mb, tokens)
         try:
-            grad_x = await ctx.compute(self._decode_backward, down, bwd, y, leaf)
+            reply = await ctx.compute(self._decode_backward, down, bwd, y, leaf, upstream)
         except LinkError as e:
             raise HopFailed(str(e), retry=False) from None
-        return grad_x, {k: bwd.meta[k] for k in ("loss", "tokens") if k in bwd.meta}
+        return _loss_meta(bwd), reply
+
+    async def serve(self, data: bytes) -> tuple[Frame, bytes]:
+        """FORWARD frame bytes from upstream -> the BACKWARD reply and its bytes; no step taken."""
+        frame, codec, decoded = await self.ctx.compute(self._accept, data)
+        return await self._serve(frame, codec, decoded)
 
     async def serve_forward(self, frame: Frame) -> Frame:
-        """A FORWARD frame from upstream -> the BACKWARD reply; the step is left to the caller."""
-        ctx = self.ctx
+        """A parsed FORWARD frame -> the BACKWARD reply (the benchmarks' fuzzer calls this)."""
         codec = self.linkio.check_forward(frame)
-        await self.linkio.ensure_basis(codec, frame)
-        x, labels, token_ids = await ctx.compute(self.linkio.decode_input, frame)
+        return (await self._serve(frame, codec, None))[0]
+
+    async def _serve(self, frame: Frame, codec, decoded) -> tuple[Frame, bytes]:
+        ctx = self.ctx
+        if decoded is None:
+            await self.linkio.ensure_basis(codec, frame)
+            decoded = await ctx.compute(self.linkio.decode_input, frame)
+        x, labels, token_ids = decoded
         tokens = frame.shape[0] * frame.shape[1]
         await self.gate.enter(ctx.cfg.hop_timeout)
         try:
-            grad_x, meta = await self.run_rest(
-                x, labels, frame.step, frame.microbatch, frame.path, tokens, token_ids
+            meta, reply = await self.run_rest(
+                x, labels, frame.step, frame.microbatch, frame.path, tokens, token_ids, upstream=frame
             )
         finally:
             await self.gate.exit()
-        reply = await ctx.compute(self.linkio.reply, frame, grad_x, meta)
         self.stepper.account(tokens, meta.get("loss") if ctx.is_tail else None, int(meta.get("tokens", 0)))
         return reply
 
@@ -134,7 +163,7 @@ class Pipeline:
         self._mb_counter += 1
         mb = self._mb_prefix | self._mb_counter
         try:
-            _, meta = await self.run_rest(ids, labels, self.ctx.inner_step, mb, [], tokens)
+            meta, _ = await self.run_rest(ids, labels, self.ctx.inner_step, mb, [], tokens)
         except HopFailed as e:
             self.ctx.metrics.dropped += 1
             log.warning("dropped microbatch %x: %s", mb, e)
@@ -173,3 +202,8 @@ class Pipeline:
         if seconds > 0:
             rate = tokens / seconds
             self.throughput = rate if self.throughput == 0 else 0.8 * self.throughput + 0.2 * rate
+
+
+def _loss_meta(bwd: Frame) -> dict:
+    """The tail's loss and token count, passed back up the pipeline with each reply."""
+    return {k: bwd.meta[k] for k in ("loss", "tokens") if k in bwd.meta}

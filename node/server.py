@@ -28,13 +28,13 @@ class ForwardServer:
     def __init__(
         self,
         ctx: StageContext,
-        parse: Callable[[bytes], Frame],
-        serve: Callable[[Frame], Awaitable[Frame]],
+        serve: Callable[[bytes], Awaitable[tuple[Frame, bytes]]],
         after_reply: Callable[[], Awaitable[None]],
     ) -> None:
         self.ctx = ctx
-        self.parse = parse  # bytes -> Frame, run in the compute thread (node.linkio.LinkIO.parse)
-        self.serve = serve  # FORWARD frame -> BACKWARD frame (node.pipeline.Pipeline.serve_forward)
+        # FORWARD frame bytes -> the BACKWARD frame and its bytes, built in the compute thread
+        # (node.pipeline.Pipeline.serve)
+        self.serve = serve
         self.after_reply = after_reply  # the step, when one is due
         self.bans = BanList()
 
@@ -48,8 +48,7 @@ class ForwardServer:
                 return
             try:
                 data = await ctx.wire.recv(reader, MAX_FRAME_BYTES, ctx.cfg.hop_timeout)
-                frame = await ctx.compute(self.parse, data)
-                reply = await self.serve(frame)
+                reply, out = await self.serve(data)
                 served = True
                 self.bans.record_good(peer)
             except FrameError as e:
@@ -66,8 +65,8 @@ class ForwardServer:
             except Exception as e:  # a bug of ours must still answer, never leave the sender waiting
                 log.warning("internal error serving %s: %s: %s", peer[:12], type(e).__name__, e)
                 reply = _error(ctx.run.run_id, "internal", f"{type(e).__name__}: {e}")
-            # a BACKWARD frame carries tensors: serialise it in the compute thread, not on the loop
-            out = await ctx.compute(encode_frame, reply) if served else encode_frame(reply)
+            if not served:  # error frames carry no tensors: cheap to encode here
+                out = encode_frame(reply)
             sent = await ctx.wire.send(writer, out, ctx.cfg.hop_timeout, sealed=sealed)
             if served:
                 ctx.metrics.replies_sent.append((time.monotonic(), reply.microbatch))
