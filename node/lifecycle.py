@@ -35,6 +35,7 @@ from node.linkio import LinkIO
 from node.membership import store_stage_record
 from node.metrics import write_json_atomic
 from node.pipeline import Pipeline
+from node.scape import SCAPE_HANDLER, ScapeSync
 from node.server import ForwardServer
 from node.state import StageState
 from node.step import StepGate
@@ -57,7 +58,7 @@ class Lifecycle:
     filter: SpectralFilter | None
     weight_server: WeightServer | None
     packet_sink: PacketSink | None
-    scape: object | None  # node.scape.ScapeSync
+    scape: ScapeSync | None
     outer: object | None  # node.diloco.OuterSync
 
     def metrics_dict(self) -> dict:
@@ -146,8 +147,6 @@ class Lifecycle:
             await p2p.add_binary_stream_handler(WEIGHTS_HANDLER, self.weight_server.handle)
             await p2p.add_binary_stream_handler(ANCHOR_HANDLER, self.packet_sink.handle)
         if self.scape is not None:
-            from node.scape import SCAPE_HANDLER
-
             await p2p.add_binary_stream_handler(SCAPE_HANDLER, self.scape.handle)
         await p2p.add_binary_stream_handler(HANDLER, self.server.handle_stream)
         await self.publish()

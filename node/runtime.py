@@ -30,6 +30,7 @@ from node.lifecycle import Lifecycle
 from node.linkio import LinkIO
 from node.metrics import Metrics
 from node.pipeline import Pipeline
+from node.scape import ScapeSync
 from node.server import ForwardServer
 from node.stages import Stage
 from node.state import StageState
@@ -105,8 +106,6 @@ class StageRuntime(Lifecycle):
             strategy = AdamWStep(ctx, self.gate, self.opt, self.filter, outer)
             # SCAPE: AdamS + a sparse sync with the stage's replicas every step, instead of AdamW
             if run.dp.get("mode") == "scape" and cfg.circuit == "fast":
-                from node.scape import ScapeSync
-
                 self.scape = strategy = ScapeSync(
                     ctx,
                     self.gate,
