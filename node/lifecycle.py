@@ -2,8 +2,10 @@
 
 ``serve`` is the order of events: bases, weights (a joiner starts from its peers', an anchor
 from a fast peer's), handlers, the first stage record, the heartbeat, the head's loop; on
-SIGTERM or ``max_steps``, announce ``ready=False`` before answering stops, let in-flight work
-finish within its hop deadlines, take the final checkpoint, write metrics and health.
+SIGTERM or ``max_steps``, announce ``ready=False`` before answering stops, answer the streams in
+progress (a body or tail: within one upstream hop deadline, new work turned away), let the
+head's microbatches finish within their hop deadlines, take the final checkpoint, write
+metrics and health.
 
 ``Lifecycle`` is the base of ``node.runtime.StageRuntime``, which composes the parts it
 names below; this module only sequences them.
@@ -165,6 +167,8 @@ class Lifecycle:
             await self.publish(ready=False, timeout=5.0)
         except Exception:
             pass
+        if not ctx.is_head and not await self.finish_inflight():
+            log.warning("streams still in progress after the upstream hop deadline; leaving anyway")
         for t in tasks:
             try:
                 await asyncio.wait_for(t, timeout=self.hops.deadline(0) + 10)
@@ -186,6 +190,15 @@ class Lifecycle:
             pass
         ctx.compute.shutdown()
         self.state.pool.shutdown(wait=True)
+
+    async def finish_inflight(self) -> bool:
+        """Answer the microbatches upstream is waiting for, within the deadline of a hop into us.
+
+        Streams that start from now on are turned away (``busy``: upstream retries them on another
+        replica), so the wait is bounded; False if one was still being served at the deadline.
+        """
+        self.server.leaving = True
+        return await self.server.drain(self.hops.deadline(self.ctx.index - 1))
 
     def _save_theta(self) -> None:
         from safetensors.torch import save_file

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from node.bans import BanList
 from node.context import StageContext
 from node.hop import HopFailed
+from node.step import Busy
 from node.transport import close_quietly
 from node.wire import Unauthorized
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, encode_frame, error_frame
@@ -37,8 +38,30 @@ class ForwardServer:
         self.serve = serve
         self.after_reply = after_reply  # the step, when one is due
         self.bans = BanList()
+        self.leaving = False  # set when the node leaves: streams that start now are turned away
+        self.active = 0  # streams being served, from the first byte read to the step after the reply
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait until no stream is being served (replies sent, steps taken); False on timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     async def handle_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.active += 1
+        self._idle.clear()
+        try:
+            await self._handle(stream_info, reader, writer)
+        finally:
+            self.active -= 1
+            if not self.active:
+                self._idle.set()
+
+    async def _handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         ctx = self.ctx
         peer = str(stream_info.peer_id)
         sealed = True
@@ -48,6 +71,8 @@ class ForwardServer:
                 return
             try:
                 data = await ctx.wire.recv(reader, MAX_FRAME_BYTES, ctx.cfg.hop_timeout)
+                if self.leaving:  # upstream retries it on another replica
+                    raise Busy("this node is leaving the swarm; try another replica")
                 reply, out = await self.serve(data)
                 served = True
                 self.bans.record_good(peer)

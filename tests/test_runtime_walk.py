@@ -4,11 +4,14 @@
   encoded (an eigendecomposition per frame), the event loop keeps answering.
 * The BACKWARD reply goes upstream before this node's optimizer step: the runtime's own
   timestamps (``Metrics.replies_sent`` / ``steps_begun``) show the reply first.
+* A body or tail that leaves answers the microbatches in progress first, within the upstream
+  hop's deadline, and turns new ones away (upstream retries them elsewhere).
 
 Both use a real ``StageRuntime`` of a tiny random Llama, without networking.
 """
 
 import asyncio
+import threading
 import time
 import types
 
@@ -111,15 +114,14 @@ class _Writer:
         pass
 
 
-def test_reply_goes_upstream_before_the_step():
-    hidden, batch, seq = 64, 2, 8
-    rt = _runtime(1, hidden, {"codec": "dense", "wire_dtype": "bfloat16"}, batch_tokens=batch * seq)
+def _forward_bytes(microbatch: int, batch: int = 2, seq: int = 8, hidden: int = 64) -> bytes:
+    """A length-prefixed FORWARD frame for stage 1, as stage 0 writes it."""
     labels = torch.randint(0, 512, (batch, seq))
     frame = Frame(
         kind="forward",
         run_id="walk",
         step=0,
-        microbatch=7,
+        microbatch=microbatch,
         boundary=0,
         path=["QmStage0"],
         codec="dense",
@@ -127,14 +129,25 @@ def test_reply_goes_upstream_before_the_step():
         tensors={"h": torch.randn(batch, seq, hidden).to(torch.bfloat16), "labels": pack_labels(labels, 512)},
     )
     data = encode_frame(frame)
+    return len(data).to_bytes(8, "big") + data
+
+
+async def _serve(rt: StageRuntime, wire: bytes, writer: "_Writer") -> None:
+    reader = asyncio.StreamReader()
+    reader.feed_data(wire)
+    reader.feed_eof()
+    await rt.handle_stream(types.SimpleNamespace(peer_id="QmStage0"), reader, writer)
+
+
+def test_reply_goes_upstream_before_the_step():
+    batch, seq = 2, 8
+    rt = _runtime(1, 64, {"codec": "dense", "wire_dtype": "bfloat16"}, batch_tokens=batch * seq)
+    wire = _forward_bytes(7, batch, seq)
     writer = _Writer()
     before = [p.detach().clone() for p in rt.params]
 
     async def serve() -> None:
-        reader = asyncio.StreamReader()
-        reader.feed_data(len(data).to_bytes(8, "big") + data)
-        reader.feed_eof()
-        await rt.handle_stream(types.SimpleNamespace(peer_id="QmStage0"), reader, writer)
+        await _serve(rt, wire, writer)
 
     try:
         asyncio.run(serve())
@@ -146,3 +159,33 @@ def test_reply_goes_upstream_before_the_step():
     (sent, mb), (stepped, step) = rt.metrics.replies_sent[-1], rt.metrics.steps_begun[-1]
     assert (mb, step) == (7, 0)
     assert sent < stepped, f"the reply went out {1000 * (sent - stepped):.1f} ms after the step began"
+
+
+def test_a_leaving_tail_answers_the_stream_in_progress_and_turns_new_work_away():
+    rt = _runtime(1, 64, {"codec": "dense", "wire_dtype": "bfloat16"}, batch_tokens=10**9)
+    inflight, late = _Writer(), _Writer()
+    release = threading.Event()
+
+    async def leave() -> tuple[bool, bytes, float]:
+        # the compute thread is busy elsewhere, so the microbatch is still in progress when we leave
+        blocker = asyncio.get_running_loop().run_in_executor(rt.pool, release.wait, 10.0)
+        stream = asyncio.create_task(_serve(rt, _forward_bytes(1), inflight))
+        await asyncio.sleep(0.05)
+        assert rt.server.active == 1 and not inflight.buf
+        asyncio.get_running_loop().call_later(0.3, release.set)
+        t0 = time.perf_counter()
+        finished = await rt.finish_inflight()
+        answered_at_return = bytes(inflight.buf)
+        waited = time.perf_counter() - t0
+        await stream, blocker
+        await _serve(rt, _forward_bytes(2), late)  # arrives after the node began leaving
+        return finished, answered_at_return, waited
+
+    try:
+        finished, answered, waited = asyncio.run(leave())
+    finally:
+        _close(rt)
+    assert finished and 0.25 <= waited < rt.hops.deadline(0), waited
+    assert decode_frame(answered[8:], run_id="walk").kind == "backward"
+    refused = decode_frame(bytes(late.buf[8:]), run_id="walk")
+    assert refused.kind == "error" and refused.meta["code"] == "busy", refused.meta
