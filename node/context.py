@@ -56,11 +56,3 @@ class StageContext:
     @property
     def params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.stage.parameters() if p.requires_grad]
-
-    def fast_peers(self) -> dict[str, StageRecord]:
-        """Ready fast peers of this node's stage, other than itself."""
-        return {
-            p: r
-            for p, r in self.routes[self.index].items()
-            if r.ready and r.circuit == "fast" and p != self.peer_id
-        }
