@@ -385,7 +385,7 @@ def ceilings(a, links: list[dict], rate_bps: float, hidden: int) -> dict:
     compute = None
     if a.mode == "emulated":
         # the stage with the most layers bounds it: each replica computes one microbatch at a time
-        from node.emulated import parse_spec
+        from bench.emulated import parse_spec
 
         _, layers, us, _ = parse_spec(model_spec(a))
         most = -(-layers // a.stages)
@@ -400,7 +400,7 @@ def ceilings(a, links: list[dict], rate_bps: float, hidden: int) -> dict:
 
 def hidden_size(a) -> int:
     if a.mode == "emulated":
-        from node.emulated import parse_spec
+        from bench.emulated import parse_spec
 
         return parse_spec(model_spec(a))[0]
     try:
@@ -663,7 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="emulated compute, microseconds per token per layer, forward+backward "
-        "(default: a Llama-3.2-1B layer on an RTX 4090 at 40%% MFU, see node/emulated.py)",
+        "(default: a Llama-3.2-1B layer on an RTX 4090 at 40%% MFU, see bench/emulated.py)",
     )
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--microbatch", type=int, default=8)
@@ -736,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
             print(path)
         return 0
     if a.us_per_token_layer is None:
-        from node.emulated import DEFAULT_US
+        from bench.emulated import DEFAULT_US
 
         a.us_per_token_layer = DEFAULT_US
     if a.nodes < a.stages:

@@ -44,6 +44,13 @@ class LinkCodec(ABC):
     """Encode/decode both directions of one pipeline boundary."""
 
     codec_id: str = "abstract"
+    # Optional capabilities, declared by the codecs that have them (the node asks these, never hasattr):
+    # ``needs_basis``: a fixed basis per boundary, fetched from peers before decoding
+    # (``holds_basis``, ``basis_from_payload``, ``basis_version``); ``carries_tokens``: the
+    # forward payload carries the microbatch's token ids (``encode_forward_with_tokens``,
+    # ``tokens_from_payload``), which a body stage passes on to the next link.
+    needs_basis: bool = False
+    carries_tokens: bool = False
 
     @abstractmethod
     def encode_forward(self, h: torch.Tensor, ctx: LinkContext) -> Payload: ...
@@ -64,6 +71,29 @@ class LinkCodec(ABC):
     def describe(self) -> dict:
         """Settings that both ends must agree on (published in the run record)."""
         return {"codec": self.codec_id}
+
+    @property
+    def version(self) -> int | None:
+        """The current basis version (the one new frames name); None without a basis."""
+        return None
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """Basis versions that decode; empty without a basis."""
+        return ()
+
+    def holds_basis(self, version: int) -> bool:
+        """Whether a frame naming basis ``version`` decodes here (always, for codecs without a basis)."""
+        return not self.needs_basis or version in self.versions
+
+    def basis_from_payload(self, payload: Payload) -> int:
+        raise NotImplementedError(f"codec {self.codec_id!r} takes no basis")
+
+    def encode_forward_with_tokens(self, h: torch.Tensor, tokens: torch.Tensor, ctx: LinkContext) -> Payload:
+        raise NotImplementedError(f"codec {self.codec_id!r} does not carry token ids")
+
+    def tokens_from_payload(self, payload: Payload) -> torch.Tensor:
+        raise NotImplementedError(f"codec {self.codec_id!r} does not carry token ids")
 
     def payload_dtypes(self) -> dict[str, torch.dtype]:
         """The dtype each payload tensor must have; a receiver refuses others (empty: unchecked)."""

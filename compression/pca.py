@@ -163,6 +163,7 @@ class PcaCodec(VersionedState, LinkCodec):
     """
 
     codec_id = "pca"
+    needs_basis = True  # the node fetches the boundary's basis from peers before decoding
 
     def __init__(
         self,

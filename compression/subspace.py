@@ -163,6 +163,7 @@ class SubspaceCodec(LinkCodec):
     """
 
     codec_id = "subspace"
+    carries_tokens = True
 
     def __init__(
         self,

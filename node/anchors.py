@@ -10,6 +10,10 @@
 Transport: each matrix gradient travels as rank-r factors (U·diag(s), V) in bf16, from a
 randomized SVD: the filter only uses the leading subspace, so r(m+n) numbers stand in for
 mn. Weights travel in bf16, in frames of at most ``MAX_TENSORS`` tensors.
+
+The parts here get the stage's shared context (``node.context.StageContext``: run, stage,
+routes, transport, compute thread), never the runtime; a ``StageRuntime`` offers the same
+attributes, so ``pull_weights(runtime)`` works too.
 """
 
 from __future__ import annotations
@@ -72,8 +76,8 @@ async def _request(rt, peer: str, handler: str, frame: Frame, timeout: float) ->
 class WeightServer:
     """Fast side: serve a consistent snapshot of the stage's weights (taken in the compute thread)."""
 
-    def __init__(self, runtime):
-        self.rt = runtime
+    def __init__(self, ctx):
+        self.rt = ctx
         self.bytes_served = 0
 
     async def handle(self, stream_info, reader, writer) -> None:
@@ -110,8 +114,9 @@ class WeightServer:
 class PacketSink:
     """Fast side: accept anchor gradient packets into the spectral filter (in the compute thread)."""
 
-    def __init__(self, runtime):
-        self.rt = runtime
+    def __init__(self, ctx, spectral):
+        self.rt = ctx
+        self.spectral = spectral  # compression.spectral.SpectralFilter the packets feed
         self.received = 0
         self.dropped_stale = 0
 
@@ -154,7 +159,7 @@ class PacketSink:
         n = 0
         for name, a, b in pairs:
             grad = a.float() @ b.float().T
-            n += bool(self.rt.filter.observe(name, grad, source_step, self.rt.inner_step))
+            n += bool(self.spectral.observe(name, grad, source_step, self.rt.inner_step))
         return n
 
 
@@ -198,8 +203,8 @@ def _load_weights(stage, named: dict[str, torch.Tensor]) -> None:
 class AnchorClient:
     """Anchor side: pull weights from fast peers, send gradient packets to them."""
 
-    def __init__(self, runtime, pull_every: int, rank: int):
-        self.rt = runtime
+    def __init__(self, ctx, pull_every: int, rank: int):
+        self.rt = ctx
         self.pull_every = pull_every
         self.rank = rank
         self.source_step = -1  # the fast step the current weights come from
@@ -225,11 +230,10 @@ class AnchorClient:
         return True
 
     def _packets(self) -> list[dict[str, torch.Tensor]]:
-        """Factors of the accumulated gradients of the target matrices, grouped per frame."""
+        """Factors of the step's mean gradients of the target matrices, grouped per frame."""
         rt = self.rt
-        n = max(rt._acc_micro, 1)
         entries = [
-            (name, *factorize(p.grad / n, self.rank))
+            (name, *factorize(p.grad, self.rank))
             for name, p in rt.stage.named_parameters()
             if p.grad is not None and is_target_matrix(name, p)
         ]

@@ -474,6 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads-per-node", type=int, default=1, help="torch threads per node (default: %(default)s)"
     )
     add_run_args(s)
+    s.set_defaults(run_arg_flags=run_arg_flags)  # node.swarm rebuilds node commands with it: no import circle
     s.add_argument("--data", default=_CFG_DEFAULTS["data"], help="training data for the head stage(s)")
     s.add_argument(
         "--device",

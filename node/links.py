@@ -71,7 +71,7 @@ class Link:
 
     @property
     def needs_basis(self) -> bool:
-        return hasattr(self.main, "set_basis")
+        return self.main.needs_basis
 
     def for_step(self, step: int) -> LinkCodec:
         return self.dense if self.dense_every and is_dense_step(step, self.dense_every) else self.main

@@ -243,8 +243,8 @@ def load_model(model: str, seed: int = 0):
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     if model == "emulate" or model.startswith("emulate:"):
-        # emulated compute for the bandwidth harness (node/emulated.py): real-size activations, sleeps
-        from node.emulated import load_emulated
+        # emulated compute for the bandwidth harness (bench/emulated.py): real-size activations, sleeps
+        from bench.emulated import load_emulated
 
         return load_emulated(model, seed=seed)
     if model == TINY or model.startswith("tiny:"):

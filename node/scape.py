@@ -1,5 +1,9 @@
 """SCAPE in the swarm (DESIGN.md 4.5): replicas of a stage sync a sparse gradient every inner step.
 
+(Over 400 lines on purpose: one replica's side of a three-phase exchange (values, mask,
+re-anchoring) is one state machine, kept in one class so its transitions read in one place;
+its message formats and lineage rules are ``node.scape_wire``.)
+
 The math is ``compression.scape`` (AdamS, per-tensor partitioned top-|m| masks, error
 feedback); this module moves it between node processes over libp2p, the way the pipeline
 links do (one-way streams to the ``vnode.scape`` handler, frames of kind ``scape``).
@@ -43,23 +47,36 @@ to be agreed across the change. A replica behind in step count (a joiner, a resu
 jumps to the step its peers' values name. Adoption costs 12 bytes per parameter, once.
 
 The first moments, the error buffer, the lineage and the step count are checkpointed with
-the stage (``state_dict``).
+the stage (``state_dict``). ``ScapeSync`` is a step strategy (``node.step``): it gets the
+stage's shared context, the step gate and the route refresh, never the runtime, and returns
+the step index it took (a replica that lags joins its peers at theirs).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
-import zlib
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 
 import torch
 from hivemind.p2p import PeerID
 
 from compression.scape import adams_masked_step_, adams_step_, mask_scores, next_mask
 from node.anchors import fast_peers_of_stage
+from node.scape_wire import (  # noqa: F401  (INITIAL_LINEAGE, winning_lineage: re-exported)
+    ANCHOR_CHUNK,
+    INITIAL_LINEAGE,
+    anchor_key,
+    decode_slice,
+    encode_slice,
+    mask_digest,
+    next_lineage,
+    param_digest,
+    winning_lineage,
+)
+from node.step import StepGate, StepResult, mean_and_clip
 from node.transport import close_quietly
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame
 
@@ -70,95 +87,23 @@ BETAS = (0.9, 0.95)
 EPS = 1e-8
 _PHASES = ("values", "mask", "anchor")
 _KEEP_STEPS = 4  # inbox entries older than this many steps are dropped
-ANCHOR_CHUNK = 16 * 1024 * 1024  # floats per re-anchoring frame (64 MiB, under MAX_FRAME_BYTES)
-INITIAL_LINEAGE = "init"  # replicas built from the same weights that have not stepped yet
-
-
-def next_lineage(lineage: str, step: int, tag: str) -> str:
-    """The lineage after one step: equal inputs (same state, same group, same mask) give equal outputs."""
-    return hashlib.blake2b(f"{lineage}|{step}|{tag}".encode(), digest_size=8).hexdigest()
-
-
-def winning_lineage(views: dict[str, tuple[str, int]]) -> str:
-    """The lineage a group re-anchors on, from each member's (lineage, steps applied).
-
-    Most steps applied first (a replica resumed from an old checkpoint, or one that pulled
-    only weights, must not roll the others back), then the most holders (keeps the majority's
-    state), then the one held by the lowest peer id (a deterministic tie-break every member
-    computes alike from the same views).
-    """
-    holders: dict[str, list[str]] = defaultdict(list)
-    applied: dict[str, int] = {}
-    for peer, (lin, n) in views.items():
-        holders[lin].append(peer)
-        applied[lin] = max(applied.get(lin, 0), int(n))
-    return min(holders, key=lambda lin: (-applied[lin], -len(holders[lin]), min(holders[lin])))
-
-
-def _anchor_key(frame: Frame) -> str:
-    """Inbox key of one re-anchoring chunk, after checking what the receiver will rely on."""
-    v, meta = frame.tensors.get("v"), frame.meta
-    chunk, chunks = meta.get("chunk"), meta.get("chunks")
-    if not (isinstance(chunk, int) and isinstance(chunks, int) and 0 <= chunk < chunks <= 1024):
-        raise FrameError("scape anchor chunk index malformed")
-    if v is None or v.dtype != torch.float32 or v.dim() != 1 or v.numel() > ANCHOR_CHUNK:
-        raise FrameError("scape anchor values malformed")
-    if not isinstance(meta.get("lineage"), str) or not isinstance(meta.get("applied"), int):
-        raise FrameError("scape anchor without lineage")
-    return f"anchor{chunk}"
-
-
-def mask_digest(mask: torch.Tensor | None, numel: int) -> int:
-    """CRC32 of the mask's indices (of the vector length for a dense step)."""
-    if mask is None:
-        return zlib.crc32(f"dense:{numel}".encode())
-    return zlib.crc32(mask.to(torch.int64).numpy().tobytes())
-
-
-def param_digest(flat: torch.Tensor) -> int:
-    return zlib.crc32(flat.detach().to(torch.float32).contiguous().numpy().tobytes())
-
-
-def encode_slice(indices: torch.Tensor, rank: int, world: int, numel: int) -> dict[str, torch.Tensor]:
-    """A slice of the next mask: int32 indices, or a bitmap over the slice {i : i mod world = rank}."""
-    n_r = len(range(rank, numel, world))
-    if indices.numel() * 4 <= (n_r + 7) // 8:
-        return {"i": indices.to(torch.int32)}
-    bits = torch.zeros((n_r + 7) // 8 * 8, dtype=torch.uint8)
-    bits[(indices - rank) // world] = 1
-    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
-    return {"b": (bits.view(-1, 8) * weights).sum(dim=1).to(torch.uint8)}
-
-
-def decode_slice(tensors: dict[str, torch.Tensor], rank: int, world: int, numel: int) -> torch.Tensor:
-    """Inverse of ``encode_slice``; raises FrameError on anything that is not a valid slice."""
-    if not 0 <= rank < world:
-        raise FrameError(f"slice rank {rank} outside world {world}")
-    n_r = len(range(rank, numel, world))
-    if "i" in tensors:
-        idx = tensors["i"]
-        if idx.dtype != torch.int32 or idx.dim() != 1:
-            raise FrameError("slice indices must be a 1-D int32 tensor")
-        idx = idx.to(torch.int64)
-        bad = idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= numel)
-        if bad or bool((idx % world != rank).any()):
-            raise FrameError("slice indices outside this replica's slice")
-        return idx
-    b = tensors.get("b")
-    if b is None or b.dtype != torch.uint8 or b.dim() != 1 or b.numel() != (n_r + 7) // 8:
-        raise FrameError("slice bitmap has the wrong size or dtype")
-    shifts = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
-    bits = ((b.unsqueeze(1) >> shifts) & 1).reshape(-1)[:n_r]
-    return torch.nonzero(bits, as_tuple=False).reshape(-1) * world + rank
 
 
 class ScapeSync:
     """One replica's side of SCAPE (see the module docstring); its ``step`` replaces AdamW."""
 
-    def __init__(self, runtime, density: float, timeout: float):
-        self.rt = runtime
+    def __init__(
+        self,
+        ctx,
+        gate: StepGate,
+        refresh_routes: Callable[[], Awaitable[None]],
+        density: float,
+        timeout: float,
+    ):
+        self.rt = ctx  # node.context.StageContext
+        self.gate, self.refresh_routes = gate, refresh_routes
         self.density, self.timeout = float(density), float(timeout)
-        self.params = runtime.params
+        self.params = ctx.params
         self.segments = [p.numel() for p in self.params]
         self.numel = sum(self.segments)
         self.m = torch.zeros(self.numel)
@@ -194,7 +139,7 @@ class ScapeSync:
                 if v is None or v.dtype != torch.bfloat16 or v.dim() != 1 or v.numel() > self.numel:
                     raise FrameError("scape values malformed")
             if phase == "anchor":
-                phase = _anchor_key(frame)
+                phase = anchor_key(frame)
             cond = self._condition()
             async with cond:
                 if frame.step + _KEEP_STEPS >= rt.inner_step:
@@ -246,14 +191,8 @@ class ScapeSync:
         return got
 
     # ------------------------------------------------------------------ compute (worker thread)
-    def _local_acc(self) -> tuple[torch.Tensor, bool]:
-        rt = self.rt
-        n = max(rt._acc_micro, 1)
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.div_(n)
-        norm = torch.nn.utils.clip_grad_norm_(self.params, rt.run.clip)
-        ok = bool(torch.isfinite(norm))
+    def _local_acc(self, microbatches: int) -> tuple[torch.Tensor, bool]:
+        ok = mean_and_clip(self.params, microbatches, self.rt.run.clip)
         if ok:
             g = torch.cat(
                 [
@@ -263,7 +202,8 @@ class ScapeSync:
             )
         else:  # a non-finite gradient never reaches the weights: this replica contributes zeros
             g = torch.zeros(self.numel)
-        rt.opt.zero_grad(set_to_none=True)
+        for p in self.params:
+            p.grad = None
         return g + self.err, ok
 
     def _apply(
@@ -371,24 +311,25 @@ class ScapeSync:
         return await self.rt.compute(self._alone, acc)
 
     # ------------------------------------------------------------------ one inner step
-    async def step(self, t: int) -> bool:
+    async def step(self, t: int, microbatches: int) -> StepResult:
+        """Inner step ``t`` over the gradients of ``microbatches`` microbatches (see the module docstring)."""
         rt = self.rt
         t0 = time.perf_counter()
-        acc, ok = await rt.compute(self._local_acc)
-        await rt.refresh_routes()
+        acc, ok = await rt.compute(self._local_acc, microbatches)
+        await self.refresh_routes()
         peers = sorted(fast_peers_of_stage(rt))
         record = {"step": t, "group": 1, "nnz": self.numel, "values_bytes": 0, "mask_bytes": 0}
         if not peers:  # alone on the stage: a plain AdamS step on our own gradient
             record["digest"] = await self._alone_step(t, acc)
             record["seconds"] = time.perf_counter() - t0
             self.records.append(record)
-            return ok
+            return StepResult(ok, t)
         caught_up = self._catch_up(t, peers)
         if caught_up != t:
             log.info(
                 "scape: the stage's replicas are at step %d, this one at %d; joining them there", caught_up, t
             )
-            t = rt.inner_step = caught_up  # the runtime counts on from here
+            t = caught_up  # returned: the runtime counts on from here
             record["step"] = t
             self.own_slice, self.slice_group = None, []  # no mask agreed for this step: sync densely
         mask = None
@@ -413,12 +354,12 @@ class ScapeSync:
             tensors={"v": own},
             meta={"phase": "values", "digest": digest, "lineage": self.lineage, "applied": self.applied},
         )
-        await rt.gate.set_refusing(True)  # upstream sends microbatches to the replicas still computing
+        await self.gate.set_refusing(True)  # upstream sends microbatches to the replicas still computing
         try:
             sent = await self._broadcast(peers, frame)
             got = await self._collect("values", t, peers)
         finally:
-            await rt.gate.set_refusing(False)
+            await self.gate.set_refusing(False)
         self.values_bytes += sent
         views = {rt.peer_id: (self.lineage, self.applied)}
         for peer, f in got.items():
@@ -444,7 +385,7 @@ class ScapeSync:
                 nnz=int(own.numel()), dense=mask is None, values_bytes=sent, seconds=time.perf_counter() - t0
             )
             self.records.append(record)
-            return ok
+            return StepResult(ok, t)
         values = {rt.peer_id: own}
         for peer, f in got.items():
             if peer not in holders:
@@ -497,7 +438,7 @@ class ScapeSync:
             seconds=time.perf_counter() - t0,
         )
         self.records.append(record)
-        return ok
+        return StepResult(ok, t)
 
     def joined(self) -> None:
         """This replica pulled the current weights (bf16, without m and e) from a running stage."""

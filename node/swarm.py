@@ -20,7 +20,6 @@ import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from node.cli import run_arg_flags
 from node.membership import parent_death_signal
 from node.report import build_report, plot_loss
 
@@ -74,7 +73,7 @@ def node_command(
         str(args.nodes + args.anchors * args.stages),
     ]
     # every node gets the run settings; only the first one's are published, the rest verify the model
-    cmd += run_arg_flags(args)
+    cmd += args.run_arg_flags(args)  # set by node.cli's swarm parser
     if circuit != "fast":
         cmd += ["--circuit", circuit]
     if args.swarm_key:

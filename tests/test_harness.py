@@ -87,7 +87,7 @@ def test_emulated_model_pipeline_shapes_hash_and_sleep():
 
     import torch
 
-    from node.emulated import DEFAULT_US, layer_us_per_token, parse_spec
+    from bench.emulated import DEFAULT_US, layer_us_per_token, parse_spec
     from node.model import content_hash, load_model
     from node.stages import build_stage, default_stage_ranges
 

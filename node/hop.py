@@ -1,0 +1,143 @@
+"""One hop: choose a peer of the next stage, call it, retry once elsewhere, give up on peers that left.
+
+A hop is one libp2p stream: the FORWARD frame goes out and the BACKWARD frame for the same
+microbatch comes back once everything downstream has finished, or an ERROR frame. The reply's
+bytes are parsed in the compute thread (``parse``), never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import zlib
+from collections.abc import Callable
+
+from hivemind.p2p import PeerID
+
+from node.context import StageContext
+from node.membership import read_stage_records
+from node.routing import choose_peer
+from node.transport import close_quietly
+from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError
+from protocol.records import StageRecord
+
+log = logging.getLogger("node")
+
+HANDLER = "vnode.forward"
+
+
+class HopFailed(RuntimeError):
+    """The next stage could not be reached or did not answer; ``retry`` if another peer may help."""
+
+    def __init__(self, msg: str, retry: bool = True):
+        super().__init__(msg)
+        self.retry = retry
+
+
+def gone_peers(watched: dict[str, int], routes: list[dict[str, StageRecord]]) -> list[str]:
+    """Watched peers (peer -> its stage) whose stage, freshly read, lists others but not them.
+
+    A stage read that came back empty proves nothing (a DHT lookup can miss under churn), and
+    abandoning hops on it would drop healthy work; a record that is merely not ready (a node
+    draining before it leaves) still counts as present.
+    """
+    return [p for p, st in watched.items() if 0 <= st < len(routes) and routes[st] and p not in routes[st]]
+
+
+class HopClient:
+    def __init__(self, ctx: StageContext, parse: Callable[[bytes], Frame]) -> None:
+        self.ctx = ctx
+        self.parse = parse  # reply bytes -> Frame (node.linkio.LinkIO.parse), run in the compute thread
+        self.rng = random.Random(zlib.crc32(ctx.peer_id.encode()) ^ ctx.cfg.seed)
+        # peers we have hops in flight to -> (their stage, an event set when their record leaves
+        # the DHT; see call_peer)
+        self._gone: dict[str, tuple[int, asyncio.Event]] = {}
+
+    def deadline(self, boundary: int) -> float:
+        # the reply needs every remaining stage's compute, so the deadline grows with the hops ahead
+        return self.ctx.cfg.hop_timeout * (self.ctx.n_stages - 1 - boundary)
+
+    async def refresh_routes(self) -> None:
+        ctx = self.ctx
+        try:
+            ctx.routes = await read_stage_records(
+                ctx.dht, ctx.run.run_id, ctx.n_stages, timeout=ctx.cfg.hop_timeout
+            )
+        except Exception as e:
+            log.info("could not refresh routes: %s", e)
+            return
+        for peer in gone_peers({p: st for p, (st, _) in self._gone.items()}, ctx.routes):
+            self._gone.pop(peer)[1].set()  # its hops in flight give up; a later hop gets a fresh event
+
+    async def call_peer(self, peer: str, data: bytes, boundary: int) -> Frame:
+        ctx = self.ctx
+        timeout = self.deadline(boundary)
+        try:
+            _, reader, writer = await asyncio.wait_for(
+                ctx.p2p.call_binary_stream_handler(PeerID.from_base58(peer), HANDLER), ctx.cfg.hop_timeout
+            )
+        except Exception as e:
+            raise HopFailed(f"cannot open a stream to {peer[:12]}: {type(e).__name__}") from None
+
+        async def exchange() -> bytes:
+            await ctx.wire.send(writer, data, timeout)
+            return await ctx.wire.recv(reader, MAX_FRAME_BYTES, timeout)
+
+        # A cut link resets nothing: the hop would hang until its deadline (minutes for a long
+        # pipeline) with the head's in-flight slots stuck behind it. Once the peer's record
+        # expires from the DHT (it cannot heartbeat), give the hop up and retry elsewhere.
+        _, gone = self._gone.setdefault(peer, (boundary + 1, asyncio.Event()))
+        io, left = asyncio.ensure_future(exchange()), asyncio.ensure_future(gone.wait())
+        try:
+            await asyncio.wait({io, left}, return_when=asyncio.FIRST_COMPLETED)
+            if not io.done():  # cancelled below
+                raise HopFailed(f"{peer[:12]} left the swarm mid-hop (its record expired)")
+            reply = io.result()
+        except (asyncio.TimeoutError, ConnectionError, OSError, FrameError) as e:
+            raise HopFailed(f"{peer[:12]} did not answer: {type(e).__name__} {e}") from None
+        finally:
+            left.cancel()
+            io.cancel()
+            close_quietly(writer)
+        try:
+            frame = await ctx.compute(self.parse, reply)
+        except FrameError as e:
+            raise HopFailed(f"{peer[:12]} sent an invalid reply: {e}") from None
+        if frame.kind == "error":
+            # a peer whose own downstream failed already retried; do not multiply retries upstream
+            raise HopFailed(
+                f"{peer[:12]}: {frame.meta.get('message', '?')}", retry=frame.meta.get("code") != "downstream"
+            )
+        if frame.kind != "backward":
+            raise HopFailed(f"{peer[:12]} answered with a {frame.kind} frame")
+        return frame
+
+    async def send_downstream(self, data: bytes, microbatch: int, tokens: int) -> Frame:
+        """Send FORWARD frame bytes to a peer of the next stage; retry once through another peer."""
+        ctx = self.ctx
+        nxt = ctx.index + 1
+        tried: set[str] = set()
+        last: HopFailed | None = None
+        for _attempt in range(2):
+            peer = choose_peer(ctx.routes[nxt], ctx.cfg.circuit, tried, self.rng)
+            if peer is None:
+                await self.refresh_routes()
+                peer = choose_peer(ctx.routes[nxt], ctx.cfg.circuit, tried, self.rng)
+            if peer is None:
+                raise HopFailed(f"no live peer serves stage {nxt}", retry=False)
+            tried.add(peer)
+            ctx.metrics.count_frame(ctx.index, "forward", len(data) + ctx.wire.overhead, tokens)
+            try:
+                reply = await self.call_peer(peer, data, ctx.index)
+            except HopFailed as e:
+                last = e
+                log.info("hop to stage %d failed: %s", nxt, e)
+                ctx.routes[nxt].pop(peer, None)  # stop choosing it until it heartbeats again
+                if not e.retry:
+                    break
+                continue
+            if reply.microbatch != microbatch:
+                raise HopFailed("reply for a different microbatch", retry=False)
+            return reply
+        raise last or HopFailed("no attempt made")

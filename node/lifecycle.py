@@ -1,0 +1,273 @@
+"""A stage's life: start from the swarm's weights, register handlers, heartbeat, leave cleanly.
+
+``serve`` is the order of events: bases, weights (a joiner starts from its peers', an anchor
+from a fast peer's), handlers, the first stage record, the heartbeat, the head's loop; on
+SIGTERM or ``max_steps``, announce ``ready=False`` before answering stops, answer the streams in
+progress (a body or tail: within one upstream hop deadline, new work turned away), let the
+head's microbatches finish within their hop deadlines, take the final checkpoint, write
+metrics and health.
+
+``Lifecycle`` is the base of ``node.runtime.StageRuntime``, which composes the parts it
+names below; this module only sequences them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+
+from compression.spectral import SpectralFilter
+from node.anchors import (
+    ANCHOR_HANDLER,
+    WEIGHTS_HANDLER,
+    AnchorClient,
+    PacketSink,
+    WeightServer,
+    fast_peers_of_stage,
+    pull_weights,
+)
+from node.context import StageContext
+from node.health import write_health
+from node.hop import HANDLER, HopClient
+from node.linkio import LinkIO
+from node.membership import store_stage_record
+from node.metrics import write_json_atomic
+from node.pipeline import Pipeline
+from node.scape import SCAPE_HANDLER, ScapeSync
+from node.server import ForwardServer
+from node.state import StageState
+from node.step import StepGate
+from protocol.records import StageRecord
+
+log = logging.getLogger("node")
+
+
+class Lifecycle:
+    # the parts, composed by StageRuntime
+    ctx: StageContext
+    gate: StepGate
+    linkio: LinkIO
+    hops: HopClient
+    pipeline: Pipeline
+    server: ForwardServer
+    state: StageState
+    maddrs: list[str]
+    anchor: AnchorClient | None
+    filter: SpectralFilter | None
+    weight_server: WeightServer | None
+    packet_sink: PacketSink | None
+    scape: ScapeSync | None
+    outer: object | None  # node.diloco.OuterSync
+
+    def metrics_dict(self) -> dict:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ the stage record
+    def stage_record(self, ready: bool = True) -> StageRecord:
+        return StageRecord(
+            circuit=self.ctx.cfg.circuit,
+            throughput=round(self.pipeline.throughput, 3),
+            queue=self.gate.inflight,
+            inner_step=self.ctx.inner_step,
+            ready=ready,
+            maddrs=self.maddrs,
+        )
+
+    async def publish(self, ready: bool = True, timeout: float | None = None) -> None:
+        """Our stage record: ready peers get routed to; a leaving node publishes ready=False first."""
+        ctx = self.ctx
+        await store_stage_record(
+            ctx.dht,
+            ctx.run.run_id,
+            ctx.index,
+            ctx.peer_id,
+            self.stage_record(ready),
+            timeout=timeout or ctx.cfg.hop_timeout,
+        )
+
+    async def heartbeat_loop(self) -> None:
+        ctx = self.ctx
+        while not ctx.stop.is_set():
+            try:
+                await self.publish()
+            except Exception as e:
+                log.info("heartbeat failed: %s", e)
+            await self.hops.refresh_routes()
+            if self.linkio.bases is not None:
+                try:
+                    await self.linkio.bases.announce()
+                except Exception as e:
+                    log.info("basis announce failed: %s", e)
+            self.write_metrics()
+            self.write_health(serving=True)
+            try:
+                await asyncio.wait_for(ctx.stop.wait(), ctx.cfg.heartbeat_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def write_health(self, serving: bool) -> None:
+        ctx = self.ctx
+        try:
+            write_health(
+                ctx.cfg.state_dir,
+                {
+                    "serving": serving,
+                    "stage": ctx.index,
+                    "peer_id": ctx.peer_id,
+                    "inner_step": ctx.inner_step,
+                    "state": "serving" if serving else "stopped",
+                },
+            )
+        except OSError as e:
+            log.debug("could not write the health file: %s", e)
+
+    def write_metrics(self) -> None:
+        if self.ctx.cfg.metrics_file:
+            write_json_atomic(self.ctx.cfg.metrics_file, self.metrics_dict())
+
+    # ------------------------------------------------------------ serving
+    async def serve(self, p2p) -> None:
+        """Register the handlers, heartbeat, drive data (head), until stopped."""
+        ctx = self.ctx
+        ctx.p2p = p2p
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, ctx.stop.set)
+        bases = self.linkio.bases
+        if bases is not None:
+            bases.wire = ctx.wire
+            await bases.start(p2p)
+            await self.linkio.install_bases()
+        if self.anchor is not None:
+            await self._first_pull()
+        else:
+            await self._join_from_peers()
+            await p2p.add_binary_stream_handler(WEIGHTS_HANDLER, self.weight_server.handle)
+            await p2p.add_binary_stream_handler(ANCHOR_HANDLER, self.packet_sink.handle)
+        if self.scape is not None:
+            await p2p.add_binary_stream_handler(SCAPE_HANDLER, self.scape.handle)
+        await p2p.add_binary_stream_handler(HANDLER, self.server.handle_stream)
+        await self.publish()
+        tasks = [asyncio.create_task(self.heartbeat_loop())]
+        if ctx.is_head:
+            await self.wait_for_pipeline()
+            tasks.append(asyncio.create_task(self.pipeline.head_loop()))
+        await ctx.stop.wait()
+        await self._leave(p2p, tasks)
+
+    async def _leave(self, p2p, tasks: list[asyncio.Task]) -> None:
+        ctx = self.ctx
+        log.info("leaving the swarm")
+        # announce we are gone before we stop answering, so routing stops choosing us
+        try:
+            await self.publish(ready=False, timeout=5.0)
+        except Exception:
+            pass
+        if not ctx.is_head and not await self.finish_inflight():
+            log.warning("streams still in progress after the upstream hop deadline; leaving anyway")
+        for t in tasks:
+            try:
+                await asyncio.wait_for(t, timeout=self.hops.deadline(0) + 10)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                t.cancel()
+        if ctx.cfg.checkpoint_every and self.anchor is None:
+            try:
+                await asyncio.wait_for(self.state.checkpoint(wait=True), 120)
+            except Exception as e:
+                log.warning("final checkpoint failed: %s", e)
+        if self.outer is not None:  # the replicas' shared outer model, for the report's drift figure
+            with contextlib.suppress(Exception):
+                await ctx.compute(self._save_theta)
+        self.write_metrics()
+        self.write_health(serving=False)
+        try:
+            await asyncio.wait_for(p2p.remove_binary_stream_handler(HANDLER), 5.0)
+        except Exception:
+            pass
+        ctx.compute.shutdown()
+        self.state.pool.shutdown(wait=True)
+
+    async def finish_inflight(self) -> bool:
+        """Answer the microbatches upstream is waiting for, within the deadline of a hop into us.
+
+        Streams that start from now on are turned away (``busy``: upstream retries them on another
+        replica), so the wait is bounded; False if one was still being served at the deadline.
+        """
+        self.server.leaving = True
+        return await self.server.drain(self.hops.deadline(self.ctx.index - 1))
+
+    def _save_theta(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(
+            {k: v.contiguous() for k, v in self.outer.theta_global().items()},
+            os.path.join(self.ctx.cfg.state_dir, "outer_theta.safetensors"),
+        )
+
+    async def _join_from_peers(self) -> None:
+        """A node joining a stage that others already train starts from their current weights.
+
+        With outer rounds that is the replicas' shared outer state (theta_global, momentum,
+        PowerSGD Q), not one peer's local weights: those would count its local progress twice.
+        """
+        ctx = self.ctx
+        await self.hops.refresh_routes()
+        if fast_peers_of_stage(ctx) and self.outer is not None:
+            ok = await ctx.compute(self.outer.load_state_from_peers, ctx.cfg.join_timeout)
+            log.info("outer state %s from the stage's replicas", "loaded" if ok else "not available")
+        elif self.scape is not None and not any(r.inner_step for r in fast_peers_of_stage(ctx).values()):
+            # SCAPE keeps replicas bit-identical: peers that have not stepped hold exactly the weights we
+            # built (same model hash), and a bf16 copy of them would make this replica differ from step 0
+            log.info("the stage's replicas have not stepped yet; starting from the same initial weights")
+        elif fast_peers_of_stage(ctx):
+            pulled = await pull_weights(ctx)
+            if pulled is None:
+                log.warning(
+                    "could not pull the current weights of stage %d; starting from the checkpoint", ctx.index
+                )
+            else:
+                ctx.metrics.state_pull_bytes += pulled[1]
+                if self.scape is not None:  # bf16 weights without m and e: re-anchored at the first step
+                    self.scape.joined()
+                    ctx.inner_step = max(ctx.inner_step, pulled[0])
+
+    async def _first_pull(self) -> None:
+        """An anchor starts from a fast peer's current weights, not the pretrained ones."""
+        ctx = self.ctx
+        while not ctx.stop.is_set():
+            await self.hops.refresh_routes()
+            if self.anchor.fast_peers() and await self.anchor.pull():
+                return
+            log.info("anchor waiting for a fast peer of stage %d to pull weights from", ctx.index)
+            try:
+                await asyncio.wait_for(ctx.stop.wait(), 2.0)
+            except asyncio.TimeoutError:
+                pass
+
+    async def wait_for_pipeline(self) -> None:
+        """The head waits until every stage has a ready peer, with a progress line."""
+        ctx = self.ctx
+        last = 0.0
+        while not ctx.stop.is_set():
+            await self.hops.refresh_routes()
+            missing = [
+                s
+                for s in range(1, ctx.n_stages)
+                if not any(r.ready and r.circuit == ctx.cfg.circuit for r in ctx.routes[s].values())
+            ]
+            ready = sum(r.ready for stage in ctx.routes for r in stage.values())
+            if not missing and ready >= ctx.cfg.wait_peers:
+                return
+            if time.monotonic() - last > 10:
+                log.info(
+                    "waiting for peers: stages without one %s, %d/%d ready",
+                    missing,
+                    ready,
+                    ctx.cfg.wait_peers,
+                )
+                last = time.monotonic()
+            await asyncio.sleep(1.0)

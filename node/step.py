@@ -1,0 +1,235 @@
+"""The inner step: the gate that drains in-flight work, the accumulator, and the step strategies.
+
+A microbatch's backward must run through the same weights its forward used, so the step
+waits for in-flight microbatches to drain and holds new ones back while it runs (``StepGate``).
+``Stepper`` counts what the microbatches since the last step contributed and, once the run's
+``batch_tokens`` are in, runs this node's strategy with explicit arguments (the step index and
+how many microbatches the gradients sum over):
+
+* ``AdamWStep``: mean, spectral filter (anchor priors), clip, AdamW; DiLoCo outer rounds every H.
+* ``node.scape.ScapeSync``: mean, clip, a sparse exchange with the stage's replicas, AdamS.
+* ``AnchorStep``: mean, then the gradients go to the fast peers; no optimizer step.
+
+``mean_and_clip`` is the one place the summed gradients become the step's mean, clipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from compression.spectral import SpectralFilter, filter_gradients
+from node.anchors import AnchorClient, fast_peers_of_stage
+from node.context import StageContext
+
+log = logging.getLogger("node")
+
+STEP_DRAIN_TIMEOUT_S = 120.0
+
+
+class Busy(RuntimeError):
+    """This node cannot take work now; the sender should try another replica."""
+
+
+class StepGate:
+    """Bounds in-flight microbatches and lets the optimizer step only when none is in flight."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.inflight = 0
+        self.stepping = False
+        self.refusing = False  # during a long exclusive phase (an outer round): turn work away at once
+        self._cond = asyncio.Condition()
+
+    async def enter(self, timeout: float) -> None:
+        async with self._cond:
+            await asyncio.wait_for(
+                self._cond.wait_for(
+                    lambda: self.refusing or (not self.stepping and self.inflight < self.cap)
+                ),
+                timeout,
+            )
+            if self.refusing:
+                raise Busy("in an outer round; try another replica")
+            self.inflight += 1
+
+    async def set_refusing(self, refusing: bool) -> None:
+        async with self._cond:
+            self.refusing = refusing
+            self._cond.notify_all()  # waiters re-check and leave at once
+
+    async def exit(self) -> None:
+        async with self._cond:
+            self.inflight -= 1
+            self._cond.notify_all()
+
+    async def run_exclusive(self, fn: Callable[[], Awaitable[None]], timeout: float) -> bool:
+        """Wait for in-flight work to drain, then run ``fn``; False if a step is already pending."""
+        async with self._cond:
+            if self.stepping:
+                return False
+            self.stepping = True
+            try:
+                await asyncio.wait_for(self._cond.wait_for(lambda: self.inflight == 0), timeout)
+            except asyncio.TimeoutError:
+                self.stepping = False
+                self._cond.notify_all()
+                return False
+        try:
+            await fn()
+        finally:
+            async with self._cond:
+                self.stepping = False
+                self._cond.notify_all()
+        return True
+
+
+def mean_and_clip(
+    params: list[torch.nn.Parameter],
+    microbatches: int,
+    clip: float | None,
+    before_clip: Callable[[], None] | None = None,
+) -> bool:
+    """Turn summed gradients into their mean over ``microbatches``, then clip them to ``clip``.
+
+    ``before_clip`` runs on the mean (the spectral filter). False when the gradient norm is not
+    finite: such a gradient must never reach the weights. ``clip=None`` only takes the mean.
+    """
+    n = max(microbatches, 1)
+    for p in params:
+        if p.grad is not None:
+            p.grad.div_(n)
+    if before_clip is not None:
+        before_clip()
+    if clip is None:
+        return True
+    return bool(torch.isfinite(torch.nn.utils.clip_grad_norm_(params, clip)))
+
+
+@dataclass
+class StepResult:
+    ok: bool  # False: the gradient was not finite and the weights did not move
+    step: int  # the step index taken (SCAPE may join its replicas at a later one)
+
+
+class StepStrategy(Protocol):
+    async def step(self, t: int, microbatches: int) -> StepResult: ...
+
+
+class AdamWStep:
+    """AdamW on the stage's mean gradient; with ``outer``, a DiLoCo round every H inner steps."""
+
+    def __init__(
+        self,
+        ctx: StageContext,
+        gate: StepGate,
+        opt: torch.optim.Optimizer,
+        spectral: SpectralFilter | None,
+        outer=None,
+    ) -> None:
+        self.ctx, self.gate, self.opt, self.spectral, self.outer = ctx, gate, opt, spectral, outer
+
+    def _apply(self, microbatches: int) -> bool:
+        ctx = self.ctx
+
+        def spectral_filter() -> None:  # anchor priors: filter, then clip, then AdamW (DESIGN 4.2)
+            t0 = time.perf_counter()
+            filter_gradients(self.spectral, ctx.stage.named_parameters())
+            ctx.metrics.filter_s += time.perf_counter() - t0
+
+        hook = spectral_filter if self.spectral is not None else None
+        ok = mean_and_clip(ctx.params, microbatches, ctx.run.clip, hook)
+        if ok:
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return ok
+
+    async def step(self, t: int, microbatches: int) -> StepResult:
+        ok = await self.ctx.compute(self._apply, microbatches)
+        await self._maybe_outer_round(t + 1)
+        return StepResult(ok, t)
+
+    async def _maybe_outer_round(self, step: int) -> None:
+        """Every H inner steps, average pseudo-gradients with the stage's live replicas (DESIGN 4.3)."""
+        ctx = self.ctx
+        every = int(ctx.run.outer["every"])
+        if self.outer is None or step % every:
+            return
+        if not fast_peers_of_stage(ctx):  # alone on the stage: nobody to average with
+            ctx.metrics.outer_alone += 1
+            return
+        # Replicas meet only if the others can reach their round while we wait in ours: turn
+        # microbatches away (upstream retries them on another replica) instead of holding them.
+        await self.gate.set_refusing(True)
+        try:
+            stats = await ctx.compute(self.outer.round, step // every)
+        finally:
+            await self.gate.set_refusing(False)
+        ctx.metrics.outer_rounds.append(stats.as_dict())
+        if stats.skipped:
+            log.info("outer round %d skipped: %s", stats.round, stats.reason)
+
+
+class AnchorStep:
+    """Anchors take no optimizer step: their mean gradients go to the stage's fast peers."""
+
+    def __init__(self, ctx: StageContext, anchor: AnchorClient) -> None:
+        self.ctx, self.anchor = ctx, anchor
+
+    async def step(self, t: int, microbatches: int) -> StepResult:
+        await self.ctx.compute(mean_and_clip, self.ctx.params, microbatches, None)
+        await self.anchor.send_packets()
+        if self.anchor.needs_pull():
+            await self.anchor.pull()
+        return StepResult(True, t)
+
+
+class Stepper:
+    """Counts microbatches into the next step and takes it once the run's batch is in."""
+
+    def __init__(
+        self,
+        ctx: StageContext,
+        gate: StepGate,
+        strategy: StepStrategy,
+        checkpoint: Callable[[], Awaitable[None]] | None,
+    ) -> None:
+        self.ctx, self.gate, self.strategy, self.checkpoint = ctx, gate, strategy, checkpoint
+        self.tokens = 0
+        self.microbatches = 0
+
+    def account(self, tokens: int, loss: float | None, n_loss: int) -> None:
+        """A microbatch's gradients are in (its reply may go upstream now; the step comes after)."""
+        self.tokens += tokens
+        self.microbatches += 1
+        self.ctx.metrics.microbatches += 1
+        if loss is not None:
+            self.ctx.metrics.add_loss(loss, n_loss)
+
+    async def step_if_due(self) -> None:
+        if self.tokens >= self.ctx.run.batch_tokens:
+            await self.gate.run_exclusive(self._step, STEP_DRAIN_TIMEOUT_S)
+
+    async def _step(self) -> None:
+        ctx, m = self.ctx, self.ctx.metrics
+        if self.microbatches == 0:
+            return
+        m.steps_begun.append((time.monotonic(), ctx.inner_step))
+        result = await self.strategy.step(ctx.inner_step, self.microbatches)
+        m.trained_tokens += self.tokens
+        if not result.ok:
+            m.skipped_steps += 1
+        self.tokens = self.microbatches = 0
+        ctx.inner_step = result.step + 1
+        m.close_step()
+        every = ctx.cfg.checkpoint_every
+        if every and ctx.inner_step % every == 0 and self.checkpoint is not None:
+            await self.checkpoint()
+        if ctx.cfg.max_steps and ctx.inner_step >= ctx.cfg.max_steps:
+            ctx.stop.set()

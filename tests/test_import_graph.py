@@ -1,0 +1,102 @@
+"""The package import graph, built from the modules' own import statements, has no cycle.
+
+Every ``import`` counts, those inside functions too: a lazy import only hides a circle from
+the interpreter, not from a reader who has to know which module depends on which. The layers
+point one way as well: compression/ is pure tensor math, protocol/ knows bytes and schemas.
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("node", "protocol", "compression", "bench")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project's modules it imports (``from pkg import mod`` resolves to pkg.mod)."""
+    files = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+            else:
+                continue
+            for t in targets:
+                # the longest prefix that is one of our modules: a.b.c -> a.b when c is a name in a.b
+                while t and t not in files:
+                    t = t.rpartition(".")[0]
+                if t and t != name and t not in PACKAGES:
+                    deps.add(t)
+        graph[name] = deps
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_graph_sees_imports_inside_functions():
+    graph = import_graph()
+    assert "node.join" in graph["node.cli"]  # cli.main imports it lazily
+    assert "node.runtime" in graph["node.join"]
+
+
+def test_no_import_cycle():
+    found = cycles(import_graph())
+    assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_layers_point_one_way():
+    graph = import_graph()
+    for mod, deps in graph.items():
+        top = mod.split(".")[0]
+        if top == "compression":
+            assert not {d for d in deps if d.split(".")[0] in ("node", "protocol", "bench")}, (mod, deps)
+        if top == "protocol":
+            assert not {d for d in deps if d.split(".")[0] in ("node", "bench")}, (mod, deps)
