@@ -100,3 +100,6 @@ def test_layers_point_one_way():
             assert not {d for d in deps if d.split(".")[0] in ("node", "protocol", "bench")}, (mod, deps)
         if top == "protocol":
             assert not {d for d in deps if d.split(".")[0] in ("node", "bench")}, (mod, deps)
+        if top == "node":  # bench drives node from outside; the one way back is the harness's
+            # emulated compute, which a node builds when told `--model emulate:...`
+            assert {d for d in deps if d.split(".")[0] == "bench"} <= {"bench.emulated"}, (mod, deps)
