@@ -153,7 +153,10 @@ class Lifecycle:
         await p2p.add_binary_stream_handler(HANDLER, self.server.handle_stream)
         await self.publish()
         tasks = [asyncio.create_task(self.heartbeat_loop())]
-        if ctx.is_head:
+        if ctx.cfg.max_steps and ctx.inner_step >= ctx.cfg.max_steps:  # resumed at its last step
+            log.info("already at --max-steps %d: nothing to train", ctx.cfg.max_steps)
+            ctx.stop.set()
+        if ctx.is_head and not ctx.stop.is_set():
             await self.wait_for_pipeline()
             tasks.append(asyncio.create_task(self.pipeline.head_loop()))
         await ctx.stop.wait()
