@@ -1,9 +1,12 @@
-"""``node.step.mean_and_clip``: the one place summed microbatch gradients become the step's mean, clipped."""
+"""``node.step``: ``mean_and_clip`` (the one place summed microbatch gradients become the step's mean,
+clipped) and ``StepGate`` (bounded in-flight work; a step only when none is in flight)."""
+
+import asyncio
 
 import pytest
 import torch
 
-from node.step import mean_and_clip
+from node.step import Busy, StepGate, mean_and_clip
 
 
 def _summed_grads(model: torch.nn.Module, batches: list[torch.Tensor]) -> None:
@@ -46,3 +49,87 @@ def test_non_finite_gradient_is_reported():
         p.grad = torch.ones_like(p)
     model.bias.grad[0] = float("inf")
     assert not mean_and_clip(list(model.parameters()), 2, 1.0)
+
+
+# ---------------------------------------------------------------------- the step gate
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_gate_caps_inflight_microbatches():
+    async def main():
+        gate = StepGate(cap=2)
+        await gate.enter(1.0)
+        await gate.enter(1.0)
+        with pytest.raises(asyncio.TimeoutError):  # a third waits for a slot
+            await gate.enter(0.1)
+        waiter = asyncio.create_task(gate.enter(2.0))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        await gate.exit()  # a slot frees: the waiter gets it
+        await asyncio.wait_for(waiter, 1.0)
+        assert gate.inflight == 2
+
+    _run(main())
+
+
+def test_step_runs_only_when_nothing_is_inflight_and_holds_new_work_back():
+    async def main():
+        gate = StepGate(cap=4)
+        events: list[str] = []
+        await gate.enter(1.0)
+
+        async def step():
+            events.append(f"step with {gate.inflight} in flight")
+            await asyncio.sleep(0.1)
+            events.append("step done")
+
+        stepping = asyncio.create_task(gate.run_exclusive(step, 2.0))
+        await asyncio.sleep(0.05)
+        assert events == []  # the microbatch in flight drains first
+        assert not await gate.run_exclusive(step, 1.0)  # a second step while one is pending: refused
+        late = asyncio.create_task(gate.enter(2.0))  # new work waits for the step
+        await asyncio.sleep(0.05)
+        assert not late.done()
+        await gate.exit()
+        assert await asyncio.wait_for(stepping, 2.0)
+        await asyncio.wait_for(late, 1.0)
+        assert events == ["step with 0 in flight", "step done"]
+
+    _run(main())
+
+
+def test_step_gives_up_when_inflight_work_never_drains():
+    async def main():
+        gate = StepGate(cap=2)
+        await gate.enter(1.0)
+        ran = []
+
+        async def step():
+            ran.append(1)
+
+        assert not await gate.run_exclusive(step, 0.1)
+        assert ran == [] and not gate.stepping
+        await gate.enter(0.5)  # the gate is open again for work
+
+    _run(main())
+
+
+def test_refusing_gate_turns_work_away_at_once():
+    async def main():
+        gate = StepGate(cap=1)
+        await gate.enter(1.0)
+        waiter = asyncio.create_task(gate.enter(5.0))  # waiting for the only slot
+        await asyncio.sleep(0.05)
+        await gate.set_refusing(True)  # an outer round begins: the waiter leaves now, not in 5 s
+        with pytest.raises(Busy):
+            await asyncio.wait_for(waiter, 0.5)
+        with pytest.raises(Busy):
+            await gate.enter(1.0)
+        await gate.set_refusing(False)
+        await gate.exit()
+        await gate.enter(0.5)
+
+    _run(main())
