@@ -68,10 +68,17 @@ KNOWN_BUGS: dict[str, re.Pattern] = {
 # ---------------------------------------------------------------------- the runtime under test
 
 
-def make_runtime(hop_timeout: float = 2.0):
-    """A tail-stage StageRuntime of ``tiny:2`` split [[0, 1], [1, 2]], without networking."""
+def make_runtime(hop_timeout: float = 2.0, codec: str = "dense", bans: bool = False, codec_k: int = 16):
+    """A tail-stage StageRuntime of ``tiny:2`` split [[0, 1], [1, 2]], without networking.
+
+    ``codec``: the run's link codec (``dense``, ``pca`` with a basis installed as a joiner would
+    fetch it, ``lowrank``, ...). ``bans``: the node's real ban list; off, one fuzzing peer can send
+    every case (banning it would hide the replies under test).
+    """
+    from compression.pca import fit_basis
     from node.bans import BanList
     from node.config import NodeConfig
+    from node.links import codec_settings
     from node.model import load_model
     from node.runtime import StageRuntime
     from node.stages import build_stage
@@ -80,6 +87,7 @@ def make_runtime(hop_timeout: float = 2.0):
     ranges = [[0, 1], [1, 2]]
     model = load_model("tiny:2")[0]
     stage = build_stage(model, ranges, 1)
+    desc = codec_settings(NodeConfig(codec=codec, codec_k=codec_k, pca_dtype="int8"), model)
     run = RunRecord(
         run_id=RUN_ID,
         model_name="tiny-llama-2x64",
@@ -87,13 +95,16 @@ def make_runtime(hop_timeout: float = 2.0):
         num_layers=2,
         hidden=HIDDEN,
         stages=ranges,
-        codec={"codec": "dense", "wire_dtype": "bfloat16"},
+        codec=desc,
     )
     cfg = NodeConfig(run_id=RUN_ID, hop_timeout=hop_timeout, max_inflight=4)
     rt = StageRuntime(cfg, run, 1, stage, None, "QmTest")
-    # one fuzzing peer sends every case: banning it would hide the replies under test
-    # (bans have their own tests in tests/test_bans.py and tests/test_fuzz_handlers.py)
-    rt.bans = BanList(threshold=10**9)
+    main = rt.linkio.link_in.main
+    if main.needs_basis:  # the basis a joiner fetches before serving (version 1)
+        mean, v = fit_basis(torch.randn(512, HIDDEN, generator=torch.Generator().manual_seed(5)), codec_k)
+        main.set_basis(mean, v, 1)
+    if not bans:
+        rt.bans = BanList(threshold=10**9)
     return rt
 
 
@@ -154,15 +165,27 @@ def _wire_tensor(t: torch.Tensor) -> dict:
     return {"d": name, "s": list(t.shape), "b": raw.contiguous().numpy().tobytes()}
 
 
-def valid_body(rng: random.Random, batch: int | None = None, seq: int | None = None) -> dict:
-    """A forward frame body the tail accepts (bf16 activations, int16 packed labels)."""
+def valid_body(
+    rng: random.Random, batch: int | None = None, seq: int | None = None, codec=None
+) -> dict:
+    """A forward frame body the tail accepts: activations through ``codec`` (bf16 dense when None),
+    int16 packed labels."""
+    from compression.codec import LinkContext
+
     batch = batch or rng.randint(1, 4)
     seq = seq or rng.randint(2, 16)
     g = torch.Generator().manual_seed(rng.getrandbits(31))
-    h = torch.randn(batch, seq, HIDDEN, generator=g).to(torch.bfloat16)
+    h = torch.randn(batch, seq, HIDDEN, generator=g)
     labels = torch.randint(0, VOCAB, (batch, seq), generator=g)
     labels[torch.rand(batch, seq, generator=g) < 0.3] = -100
     packed = ((labels.to(torch.int32) + 1).clamp_(min=0)).to(torch.int16)
+    seed, version = rng.getrandbits(64), 0
+    if codec is None:
+        payload, codec_id = {"h": h.to(torch.bfloat16)}, "dense"
+    else:
+        version = codec.version or 0
+        payload = codec.encode_forward(h, LinkContext(seed=seed, basis_version=version))
+        codec_id = codec.codec_id
     return {
         "v": PROTOCOL_VERSION,
         "k": "forward",
@@ -171,11 +194,11 @@ def valid_body(rng: random.Random, batch: int | None = None, seq: int | None = N
         "mb": rng.getrandbits(56),
         "bd": 0,
         "path": ["QmHead"],
-        "codec": "dense",
-        "seed": rng.getrandbits(64),
-        "bv": 0,
+        "codec": codec_id,
+        "seed": seed,
+        "bv": version,
         "shape": [batch, seq, HIDDEN],
-        "t": {"h": _wire_tensor(h), "labels": _wire_tensor(packed)},
+        "t": {**{k: _wire_tensor(v) for k, v in payload.items()}, "labels": _wire_tensor(packed)},
         "meta": {},
     }
 

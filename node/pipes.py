@@ -9,9 +9,10 @@ loop catches ``OSError`` there but not ``EOFError``, so one such request ended t
 (or averager) process stayed alive and answered nothing again, and every later call on it timed
 out (the fresh-clone failure of tests/test_diloco_sync.py, issue 18).
 
-``tolerate_dead_senders`` wraps the pipe so that a request that cannot be unpickled is dropped and
-logged as an ``OSError`` (which hivemind's loop logs and survives); the request's sender is gone,
-so nobody waits for its answer. A pipe whose other end closed still ends the loop, as before.
+``tolerate_dead_senders`` wraps the pipe so that a request that cannot be unpickled is dropped with
+one log line and replaced by a no-op request (the sender is gone, so nobody waits for its answer;
+raising ``OSError`` instead would survive too, but hivemind logs it with a traceback). A pipe whose
+other end closed still ends the loop, as before.
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 log = logging.getLogger("node")
+
+
+NOOP = "_vnode_dropped_request"
+NOOP_REQUEST = (NOOP, [], {})
+
+
+async def _noop() -> None:
+    return None
 
 
 class TolerantPipe:
@@ -38,7 +47,7 @@ class TolerantPipe:
         except Exception as e:  # any handle inside the request may be dead
             self.dropped += 1
             log.warning("%s: dropped a request whose sender is gone (%s)", self._owner, type(e).__name__)
-            raise OSError(f"undeliverable request: {e!r}") from None
+            return NOOP_REQUEST
 
     def __getattr__(self, name: str) -> Any:  # poll, fileno, send, close: the real connection's
         return getattr(self._conn, name)
@@ -48,3 +57,4 @@ def tolerate_dead_senders(obj: Any, owner: str) -> None:
     """Wrap ``obj._inner_pipe`` (a hivemind DHT or averager, in its own process) in a TolerantPipe."""
     if not isinstance(obj._inner_pipe, TolerantPipe):
         obj._inner_pipe = TolerantPipe(obj._inner_pipe, owner)
+        setattr(obj, NOOP, _noop)  # the loop runs getattr(obj, method)(*args, **kwargs) as a task
