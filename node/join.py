@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -23,6 +24,7 @@ from node.diloco import OuterSync
 from node.links import build_codec, codec_settings
 from node.membership import (
     JoinError,
+    keep_run_record,
     publish_run_record,
     read_run_record,
     read_stage_records_sync,
@@ -183,10 +185,37 @@ def claim_stage(cfg: NodeConfig, dht, run: RunRecord, peer_id: str, fits: set[in
     return index
 
 
-def join_command(peer_id: str, maddrs: list[str], run_id: str) -> str:
+def join_command(peer_id: str, maddrs: list[str], run_id: str, model: str = NodeConfig.model) -> str:
+    """The command others paste. It carries ``--model``: a joiner builds the run's model from the
+    same spec (the run record holds only its display name and hash), the rest comes from the DHT."""
     peers = " ".join(a for a in maddrs if "/p2p/" in a) or " ".join(f"{a}/p2p/{peer_id}" for a in maddrs)
-    extra = f" --run-id {run_id}" if run_id != "default" else ""
+    extra = f" --run-id {shlex.quote(run_id)}" if run_id != "default" else ""
+    extra += f" --model {shlex.quote(model)}" if model != NodeConfig.model else ""
     return f"python -m node join --peers {peers}{extra}"
+
+
+NEW_RUN_CHECK_S = 3.0  # --new-run: how long to look for an existing record of the run id
+
+
+def find_run(cfg: NodeConfig, dht) -> RunRecord | None:
+    """The run to join (None: this node starts it). Refuses in one line what cannot be meant."""
+    if not cfg.peers:
+        return None
+    if cfg.new_run:  # a run on a DHT that others share (a plain hivemind bootstrap, another run's swarm)
+        if read_run_record(dht, cfg.run_id, timeout=NEW_RUN_CHECK_S) is not None:
+            raise JoinError(
+                f"--new-run: run {cfg.run_id!r} already exists in the swarm at {cfg.peers[0]}; join it "
+                "without --new-run, or start another run with a different --run-id"
+            )
+        return None
+    run = read_run_record(dht, cfg.run_id, timeout=cfg.join_timeout)
+    if run is None:
+        raise JoinError(
+            f"no run {cfg.run_id!r} found in the swarm at {cfg.peers[0]} within "
+            f"{cfg.join_timeout:.0f}s; check --run-id, pass --new-run to start this run on that DHT, "
+            "or start a new swarm without --peers"
+        )
+    return run
 
 
 def _interrupt(signum, frame):
@@ -208,14 +237,7 @@ def run_join(cfg: NodeConfig) -> int:
         dht = start_dht(cfg)
         peer_id = dht.peer_id.to_base58()
         maddrs = [str(a) for a in dht.get_visible_maddrs()]
-        run = None
-        if cfg.peers:
-            run = read_run_record(dht, cfg.run_id, timeout=cfg.join_timeout)
-            if run is None:
-                raise JoinError(
-                    f"no run {cfg.run_id!r} found in the swarm at {cfg.peers[0]} within "
-                    f"{cfg.join_timeout:.0f}s; check --run-id, or start a new swarm without --peers"
-                )
+        run = find_run(cfg, dht)
         model, tok, name = load_run_model(cfg, run)
         model_hash = content_hash(model)
         run_is_new = run is None
@@ -224,7 +246,7 @@ def run_join(cfg: NodeConfig) -> int:
             run.key_id = key_id(key) if key else ""
             publish_run_record(dht, run)
             print(f"started swarm {run.run_id!r}: {name}, {len(run.stages)} stages {run.stages}", flush=True)
-            print(f"others join with:\n  {join_command(peer_id, maddrs, run.run_id)}", flush=True)
+            print(f"others join with:\n  {join_command(peer_id, maddrs, run.run_id, cfg.model)}", flush=True)
         elif run.key_id and (key is None or key_id(key) != run.key_id):
             raise JoinError(
                 "this swarm only accepts nodes holding its swarm key: pass --swarm-key FILE "
@@ -235,7 +257,8 @@ def run_join(cfg: NodeConfig) -> int:
         elif model_hash != run.model_hash:
             raise JoinError(
                 f"this node's model ({name}, hash {model_hash[:12]}) differs from the run's "
-                f"({run.model_name}, {run.model_hash[:12]}); pass the same --model as the swarm"
+                f"({run.model_name}, {run.model_hash[:12]}); pass the --model of the join command the "
+                "swarm's first node printed"
             )
         bases = None
         if needs_basis(run):
@@ -243,6 +266,7 @@ def run_join(cfg: NodeConfig) -> int:
             if run_is_new:  # the starter holds the whole pretrained model: calibrate every boundary
                 for b, payload in enumerate(calibrate_bases(cfg, run, model, tok)):
                     bases.add(b, payload)
+                publish_run_record(dht, run)  # calibrating may outlast its lifetime
         resume_from = None
         if cfg.resume:
             resume_from = newest_for_run(cfg.state_dir, run.run_id)
@@ -302,7 +326,11 @@ def run_join(cfg: NodeConfig) -> int:
 
         async def main():
             p2p = await dht.replicate_p2p()
-            await runtime.serve(p2p)
+            keeper = asyncio.create_task(keep_run_record(dht, run, runtime.stop))
+            try:
+                await runtime.serve(p2p)
+            finally:
+                keeper.cancel()
 
         try:
             import uvloop
@@ -331,4 +359,5 @@ def run_join(cfg: NodeConfig) -> int:
             if dht.is_alive():
                 dht.terminate()
             log.debug("DHT stopped in %.1fs", time.monotonic() - t0)
+            os.close(dht.identity_lock)
         remove_socket_dir(sockdir)

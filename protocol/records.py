@@ -10,8 +10,21 @@ from dataclasses import asdict, dataclass, field, fields
 
 from protocol.frames import PROTOCOL_VERSION
 
-HEARTBEAT_S = 2.0
-RECORD_TTL_S = 5 * HEARTBEAT_S  # expires after ~5 missed beats: a beat can queue behind MBs of frames
+HEARTBEAT_S = 2.0  # the default --heartbeat; every DHT lifetime below is a count of beats
+STAGE_RECORD_BEATS = 5  # expires after ~5 missed beats: a beat can queue behind MBs of frames
+# Every live node re-publishes the run record every RUN_RECORD_BEATS // 3 beats, so two missed
+# re-publishes are survived, while a run whose last node left is gone within this many beats.
+RUN_RECORD_BEATS = 30
+
+
+def stage_record_ttl(heartbeat_s: float = HEARTBEAT_S) -> float:
+    """Seconds a stage record lives in the DHT: a peer that stops beating looks gone after it."""
+    return STAGE_RECORD_BEATS * heartbeat_s
+
+
+def run_record_ttl(heartbeat_s: float = HEARTBEAT_S) -> float:
+    """Seconds the run record lives in the DHT unless a live node re-publishes it."""
+    return RUN_RECORD_BEATS * heartbeat_s
 
 
 class RecordError(ValueError):
