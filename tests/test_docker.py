@@ -194,6 +194,7 @@ _DOCKER_RUN_VALUE = {
     "-e",
     "--network",
     "--stop-timeout",
+    "--entrypoint",
 }
 _DOCKER_RUN_BOOL = {"-d", "--rm", "--init", "-it"}
 
@@ -219,7 +220,7 @@ def _docker_runs(path: Path) -> list[dict]:
             {"options": options, "image": tokens[i], "node": tokens[i + 1 :], "line": " ".join(tokens)}
         )
     assert runs, f"{path.name} shows no `docker run`"
-    return runs
+    return [r for r in runs if "--entrypoint" not in dict(r["options"])]  # the others run the node
 
 
 def test_readme_node_commands_and_flags_exist_in_the_cli():
@@ -228,7 +229,7 @@ def test_readme_node_commands_and_flags_exist_in_the_cli():
     problems = []
     for path in (README, MAIN_README):
         for run in _docker_runs(path):
-            assert run["image"] == IMAGE, (
+            assert run["image"].split(":")[0] == IMAGE, (
                 f"{path.name}: `{run['line'][:60]}...` runs {run['image']}, not {IMAGE}"
             )
             command, *rest = run["node"]
