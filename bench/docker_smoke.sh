@@ -7,7 +7,8 @@
 # `docker stop` (Docker's default 10 s) and validates the compose files. No container gets `--init`:
 # the head runs the image's entrypoint (tini), the tail runs the node itself as PID 1.
 # Writes bench/results/docker.json and bench/results/docker.md. Env: IMAGE (default volunteer-node),
-# STEPS (default 5), SKIP_BUILD=1 (reuse IMAGE), TRAIN_TIMEOUT_S (default 600).
+# STEPS (default 5), NO_CACHE=1 (build without the layer cache), SKIP_BUILD=1 (reuse IMAGE),
+# TRAIN_TIMEOUT_S (default 600).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,12 +43,17 @@ build_s=null
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
     build_args=()
     [ -n "${BASE_IMAGE:-}" ] && build_args+=(--build-arg "BASE_IMAGE=$BASE_IMAGE")
+    [ "${NO_CACHE:-0}" = 1 ] && build_args+=(--no-cache)
     echo "building $IMAGE (log: $LOGS/build.log)"
     t0=$(now)
     docker build --network host "${build_args[@]}" -f docker/Dockerfile -t "$IMAGE" . >"$LOGS/build.log" 2>&1 \
         || { tail -20 "$LOGS/build.log"; echo "docker_smoke: the build failed (log: $LOGS/build.log)"; exit 1; }
     build_s=$(secs "$t0" "$(now)")
 fi
+# pip's layers taken from the cache make build_s no build time
+build_from_cache=False
+grep -A2 'pip install --no-cache-dir --constraint /opt/constraints.txt torch' "$LOGS/build.log" 2>/dev/null \
+    | grep -q 'Using cache' && build_from_cache=True
 image_bytes=$(docker image inspect -f '{{.Size}}' "$IMAGE")
 
 # The image holds exactly the versions of docker/constraints.txt (pip and the project itself aside).
@@ -58,14 +64,23 @@ freeze_matches=False
 diff "$LOGS/constraints.txt" "$LOGS/freeze.txt" >"$LOGS/freeze.diff" && freeze_matches=True
 
 # --- one-shot commands, no --init, no volumes -----------------------------------------------------------
-volumes_before=$(docker volume ls -q | wc -l)
-set +e
-docker run --rm --network host "$IMAGE" join --help >"$LOGS/help.txt" 2>&1
-help_rc=$?
-docker run --rm --network host "$IMAGE" health >"$LOGS/health.txt" 2>&1
-health_rc=$?
-set -e
-volumes_after=$(docker volume ls -q | wc -l)
+# Each runs as a named container, so that its mounts can be counted (a declared VOLUME would show as one).
+oneshot() {
+    local name=vn-smoke-$1 rc mounts
+    shift
+    docker rm -f "$name" >/dev/null 2>&1 || true
+    set +e
+    docker run --name "$name" --network host "$IMAGE" "$@" >"$LOGS/$name.txt" 2>&1
+    rc=$?
+    set -e
+    mounts=$(docker inspect -f '{{len .Mounts}}' "$name")
+    docker rm -v "$name" >/dev/null
+    echo "$rc $mounts"
+}
+read -r help_rc help_mounts < <(oneshot help join --help)
+read -r health_rc health_mounts < <(oneshot health health)
+cp "$LOGS/vn-smoke-help.txt" "$LOGS/help.txt"
+cp "$LOGS/vn-smoke-health.txt" "$LOGS/health.txt"
 help_lists_peers=False
 grep -q -- '--peers' "$LOGS/help.txt" && help_lists_peers=True
 
@@ -104,7 +119,9 @@ while [ "$(date +%s)" -lt "$deadline" ]; do
     line=$(docker exec "$HEAD" python -m node health 2>&1 || true)
     head_step=$(sed -n 's/.*inner step \([0-9]*\).*/\1/p' <<<"$line")
     head_step=${head_step:-0}
-    [ "$head_step" -ge "$STEPS" ] && break
+    head_health=$(docker inspect -f '{{if .State.Health}}{{.State.Health.Status}}{{end}}' "$HEAD")
+    # Docker runs the image's HEALTHCHECK every 30 s: wait for its verdict as well
+    [ "$head_step" -ge "$STEPS" ] && [ "$head_health" != starting ] && break
     for c in "$HEAD" "$TAIL"; do
         if [ "$(docker inspect -f '{{.State.Running}}' "$c")" != true ]; then
             docker logs "$c" 2>&1 | tail -20
@@ -115,7 +132,6 @@ while [ "$(date +%s)" -lt "$deadline" ]; do
     sleep 2
 done
 train_s=$(secs "$t_swarm" "$(now)")
-head_health=$(docker inspect -f '{{if .State.Health}}{{.State.Health.Status}}{{end}}' "$HEAD")
 
 # A plain `docker stop`: SIGTERM, then SIGKILL after Docker's default 10 s. The head first, so that the
 # tail is not stopped under a microbatch in flight.
@@ -136,7 +152,7 @@ read_state() {
     docker run --rm -v "$1:/data/state" --entrypoint python "$IMAGE" -c '
 import json, pathlib
 m = json.loads(pathlib.Path("/data/state/metrics.json").read_text())
-ck = sorted(p.name for p in pathlib.Path("/data/state/checkpoints").rglob("*") if p.is_dir())
+ck = sorted(p.name for p in pathlib.Path("/data/state/checkpoints").rglob("ckpt-*"))
 print(json.dumps({"inner_step": m["inner_step"], "step_losses": m["step_losses"], "checkpoints": ck}))'
 }
 head_state=$(read_state "${VOLS[0]}")
@@ -161,17 +177,18 @@ r = {
     "image_bytes": $image_bytes,
     "image_gb": round($image_bytes / 1e9, 2),
     "build_s": $build_s,
+    "build_from_cache": $build_from_cache,
     "freeze_matches_constraints": $freeze_matches,
     "join_help_rc": $help_rc,
     "join_help_lists_peers": $help_lists_peers,
     "health_without_node_rc": $health_rc,
     "health_without_node_output": open("$LOGS/health.txt").read().strip(),
-    "anonymous_volumes_created_by_help_and_health": $volumes_after - $volumes_before,
+    "volumes_mounted_by_help_and_health": $help_mounts + $health_mounts,
     "swarm": {
         "model": "tiny:4", "stages": 2, "network": "host", "device": "cpu", "init_flag": False,
         "pid1": {"head": "$head_pid1", "tail": "$tail_pid1"},
-        "head_steps_when_stopped": $head_step,
-        "seconds_to_train": $train_s,
+        "head_steps_seen_before_stop": $head_step,
+        "seconds_before_stop": $train_s,
         "head_docker_health": "$head_health",
         "steps_trained": {"head": head["inner_step"], "tail": tail["inner_step"]},
         "tail_losses": tail["step_losses"],
@@ -193,15 +210,15 @@ md = f"""# Docker smoke test (bench/docker_smoke.sh)
 | | |
 |---|---|
 | image | {r['image']} from {r['base_image']}, {r['image_gb']} GB |
-| build | {r['build_s']} s |
+| build | {r['build_s']} s{' (layers from the cache)' if r['build_from_cache'] else ''} |
 | installed versions = docker/constraints.txt | {r['freeze_matches_constraints']} |
 | \`docker run IMAGE join --help\` (no --init) | exit {r['join_help_rc']} |
 | \`docker run IMAGE health\`, no node | exit {r['health_without_node_rc']}: {r['health_without_node_output']} |
-| anonymous volumes made by those two | {r['anonymous_volumes_created_by_help_and_health']} |
+| volumes those two mounted | {r['volumes_mounted_by_help_and_health']} |
 | swarm | 2 containers, --network host, tiny:4, 2 stages, CPU, no --init (PID 1: head {s['pid1']['head']}, tail {s['pid1']['tail']}) |
-| steps trained | head {s['steps_trained']['head']}, tail {s['steps_trained']['tail']} in {s['seconds_to_train']} s |
+| steps trained | head {s['steps_trained']['head']}, tail {s['steps_trained']['tail']} (stopped {s['seconds_before_stop']} s after the head started) |
 | tail loss | {losses[0] if losses else '-'} -> {losses[-1] if losses else '-'} over {len(losses)} steps |
-| head health (Docker) | {s['head_docker_health'] or '-'} |
+| head's Docker health before stop | {s['head_docker_health'] or '-'} |
 | plain \`docker stop\` (10 s default) | head {s['stop_s']['head']} s, exit {s['exit_codes']['head']}; tail {s['stop_s']['tail']} s, exit {s['exit_codes']['tail']} |
 | checkpoints after stop | head {s['checkpoints']['head']}, tail {s['checkpoints']['tail']} |
 | compose ({r['compose']['tool']}) config | CPU file exit {r['compose']['cpu_config_rc']}, with GPU override exit {r['compose']['gpu_override_config_rc']} |
