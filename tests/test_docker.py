@@ -405,9 +405,9 @@ def _engine_and_image() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("entrypoint", ["image (tini)", "node as PID 1"])
 def test_container_without_init_serves_and_stops_cleanly(entrypoint):
-    """`docker run` without --init: the node serves (its health check passes) and a plain `docker stop`
-    (10 s) ends it with exit 0. With the node itself as PID 1, its DHT child must not take PID 1 for a
-    dead parent (issue 19.1)."""
+    """`docker run` without --init: the node serves (its health check passes) and `docker stop -t 120`
+    (the documented stop time) ends it with exit 0, not killed. With the node itself as PID 1, its DHT
+    child must not take PID 1 for a dead parent (issue 19.1)."""
     _engine_and_image()
     name = f"vn-test-{'tini' if entrypoint.startswith('image') else 'pid1'}-{os.getpid()}"
     override = [] if entrypoint.startswith("image") else ["--entrypoint", "python"]
@@ -430,9 +430,9 @@ def test_container_without_init_serves_and_stops_cleanly(entrypoint):
             f"never served:\n{logs.stdout[-2000:]}{logs.stderr[-2000:]}"
         )
         start = time.monotonic()
-        _run(["docker", "stop", name], timeout=60)
+        _run(["docker", "stop", "-t", "120", name], timeout=180)
         stop_s = time.monotonic() - start
         code = _run(["docker", "inspect", "-f", "{{.State.ExitCode}}", name], timeout=60).stdout.strip()
-        assert code == "0" and stop_s < 10, f"docker stop took {stop_s:.1f} s, exit {code}"
+        assert code == "0", f"docker stop -t 120 took {stop_s:.1f} s, exit {code}"
     finally:
         _run(["docker", "rm", "-f", name], timeout=60)
