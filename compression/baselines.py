@@ -72,9 +72,16 @@ def quantize_blockwise(
 
 
 def dequantize_blockwise(q: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
-    """Inverse of ``quantize_blockwise``: (T, n) fp32 from int8 ``q`` and per-block ``scale``."""
+    """Inverse of ``quantize_blockwise``: (T, n) fp32 from int8 ``q`` and per-block ``scale``.
+
+    ``scale`` must be exactly (T, ceil(n/block)): a received one of another shape would broadcast
+    or crop into a silently wrong tensor (a fuzz finding), so it is refused."""
+    if q.dim() != 2:
+        raise ValueError(f"quantized values must be 2-D, got shape {tuple(q.shape)}")
     t, n = q.shape
-    nb = scale.shape[-1]
+    nb = math.ceil(n / block)
+    if tuple(scale.shape) != (t, nb):
+        raise ValueError(f"block scales have shape {tuple(scale.shape)}, expected {(t, nb)}")
     qp = F.pad(q.to(torch.float32), (0, nb * block - n)).view(t, nb, block)
     return (qp * scale.to(torch.float32).unsqueeze(-1)).view(t, nb * block)[:, :n]
 

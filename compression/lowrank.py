@@ -141,7 +141,10 @@ class LowRankCodec(LinkCodec):
         return out
 
     def decode_forward(self, payload: Payload, ctx: LinkContext, shape: tuple[int, ...]) -> torch.Tensor:
-        return (self._decode(payload) + payload["mean"].to(torch.float32)).reshape(shape)
+        mean = payload["mean"]
+        if tuple(mean.shape) != (shape[-1],):  # a shorter one would broadcast silently (fuzz finding)
+            raise ValueError(f"mean has shape {tuple(mean.shape)}, expected ({shape[-1]},)")
+        return (self._decode(payload) + mean.to(torch.float32)).reshape(shape)
 
     def encode_backward(self, g: torch.Tensor, ctx: LinkContext) -> Payload:
         return self._encode(g.detach().reshape(-1, g.shape[-1]).to(torch.float32))
