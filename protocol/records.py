@@ -51,6 +51,46 @@ def _check(record, types: dict[str, type | tuple]) -> None:
             raise RecordError(f"record field {name!r} has type {type(value).__name__}")
 
 
+_NUM = (int, float)
+# the nested settings of a run record: every key present, with its type, and no other (a joiner reads
+# them by key, so a missing or mistyped one must fail here, in one line, not as a KeyError later)
+NESTED_SCHEMAS: dict[str, dict[str, type | tuple]] = {
+    "outer": {
+        "every": int,
+        "rank": int,
+        "group_size": int,
+        "lr": _NUM,
+        "momentum": _NUM,
+        "mode": str,
+        "timeout": _NUM,
+    },
+    "dp": {"mode": str, "density": _NUM, "timeout": _NUM},
+    "anchor": {
+        "alpha": _NUM,
+        "tau": _NUM,
+        "beta": _NUM,
+        "max_staleness": int,
+        "tau_relative": bool,
+        "pull_every": int,
+        "rank": int,
+    },
+}
+
+
+def _check_nested(name: str, value: dict) -> None:
+    schema = NESTED_SCHEMAS[name]
+    missing, unknown = set(schema) - set(value), set(value) - set(schema)
+    if missing or unknown:
+        raise RecordError(
+            f"run record {name!r} settings: missing {sorted(missing)}, unknown {sorted(unknown)}; "
+            "the run was started by another release: install the matching one"
+        )
+    for key, expected in schema.items():
+        v = value[key]
+        if not isinstance(v, expected) or (isinstance(v, bool) and expected is not bool):
+            raise RecordError(f"run record {name}.{key} has type {type(v).__name__}")
+
+
 @dataclass
 class RunRecord:
     """What a run is: published once by the first node, verified by every joiner."""
@@ -151,6 +191,10 @@ class RunRecord:
             and all(isinstance(h, str) and len(h) == 32 for h in rec.stage_hashes)
         ):
             raise RecordError("run record stage_hashes must be one 32-character hash per stage")
+        for name in NESTED_SCHEMAS:
+            _check_nested(name, getattr(rec, name))
+        if not isinstance(rec.codec.get("codec"), str):
+            raise RecordError("run record codec settings name no codec")
         if rec.protocol != PROTOCOL_VERSION:
             raise RecordError(
                 f"run speaks protocol {rec.protocol}, this node speaks {PROTOCOL_VERSION}; "

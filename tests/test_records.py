@@ -51,3 +51,29 @@ def test_stage_record_validation():
     ):
         with pytest.raises(RecordError):
             StageRecord.from_dict({**rec.to_dict(), **bad})
+
+
+def _nested(name: str, **kw) -> dict:
+    d = _run()
+    d[name] = {**d[name], **kw}
+    return d
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        # the joiner crash the issue names: an anchor map without "alpha" was a KeyError at start-up
+        {**_run(), "anchor": {k: v for k, v in _run()["anchor"].items() if k != "alpha"}},
+        _nested("anchor", alpha="0.3"),
+        _nested("anchor", tau_relative=1),
+        _nested("outer", every=None),
+        _nested("outer", extra=1),
+        _nested("dp", timeout=[1]),
+        {**_run(), "codec": {"wire_dtype": "bfloat16"}},
+    ],
+)
+def test_malformed_nested_settings_are_one_line_record_errors(record):
+    with pytest.raises(RecordError) as e:
+        RunRecord.from_dict(record)
+    assert "\n" not in str(e.value)
+
