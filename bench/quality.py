@@ -217,6 +217,10 @@ VARIANTS: dict[str, Variant] = {
         Variant("linkbasis64r16", "linkbasis", {"k": 64, "rank": 16}),
         Variant("linkbasis64r8b0", "linkbasis", {"k": 64, "rank": 8, "beta": 0.0}),  # this frame only
         Variant("linkbasis48r8", "linkbasis", {"k": 48, "rank": 8}),
+        # threshold 1.0: an update whenever a direction outside the basis beats a held one (at
+        # 0.99 the forward basis almost never changed in the word run: fixed-basis behaviour)
+        Variant("linkbasis64r8t1", "linkbasis", {"k": 64, "rank": 8, "threshold": 1.0}),
+        Variant("linkbasis64r16t1", "linkbasis", {"k": 64, "rank": 16, "threshold": 1.0}),
         # the paper's recipe as its authors' notes state it (issue 13): a dense warm-up, then M95,
         # with anchor priors refreshed every K = 20 steps, at lr 2e-5; and the same without anchors.
         # Labelled deviations: warm-up 10 steps (unstated), filter rank 32, a packet every 10 steps.
