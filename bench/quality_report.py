@@ -2,6 +2,7 @@
 
     python -m bench.quality_report --out bench/results
 
+Runs at node-packed frames (``--frame-tokens``) get their own tables and ``pareto_frames.png``.
 Writes ``pareto.png`` (EM against bytes per token per boundary per direction, log x, one
 panel per task), ``loss_<task>.png`` (training loss through the codec and dense eval loss
 against step, seed 0) and ``quality_tables.md`` (one markdown table per task), and prints
@@ -100,6 +101,95 @@ def tables(runs: list[dict]) -> str:
             )
         out.append("")
     return "\n".join(out)
+
+
+def frame_tables(runs: list[dict]) -> str:
+    """Runs at node-packed frames (``--frame-tokens``): bytes all-in, with the share of a
+    link-held basis's updates and first full basis shown separately."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in runs:
+        groups[(r["task"], r["frame_tokens"], r["steps"], r["variant"])].append(r)
+    out = []
+    for task in sorted({k[0] for k in groups}):
+        out.append(f"### Task `{task}` at node-packed frames\n")
+        out.append(
+            "| variant | frame tokens (T, mean) | steps | seeds | B/token/boundary/dir all-in (× fewer) | "
+            "of which basis updates | of which first full basis | EM (dense eval) | EM, codec on | "
+            "eval loss (dense) | eval loss, codec on | codec time | updates per link (fwd / bwd) |"
+        )
+        out.append("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        keys = sorted((k for k in groups if k[0] == task), key=lambda k: (k[1], k[2], k[3] != "dense", k[3]))
+        for key in keys:
+            rs = sorted(groups[key], key=lambda r: r["seed"])
+            r0, lb = rs[0], rs[0].get("link_basis")
+            bpt = statistics.mean(r["bytes_per_token"] for r in rs)
+            upd = full = ups = "–"
+            if lb:
+                upd = f"{statistics.mean(r['link_basis']['update_bytes_per_token'] for r in rs):.1f}"
+                full = f"{statistics.mean(r['link_basis']['full_basis_bytes_per_token'] for r in rs):.1f}"
+                pb = r0["link_basis"]["per_boundary"]
+                ups = " / ".join(
+                    f"{statistics.mean(b[d]['updates'] for b in pb):.0f}" for d in ("forward", "backward")
+                )
+            out.append(
+                f"| `{key[3]}` | {key[1]} ({r0['tokens_per_frame']:.0f}) | {key[2]} | "
+                f"{','.join(str(r['seed']) for r in rs)} | "
+                f"{bpt:.1f} ({r0['dense_bytes_per_token'] / bpt:.1f}×) | "
+                f"{upd} | {full} | {_fmt_seeds([r['em_dense_eval'] for r in rs], '.3f')} | "
+                f"{_fmt_seeds([r['em_codec_eval'] for r in rs], '.3f')} | "
+                f"{_fmt_seeds([r['eval_loss'] for r in rs], '.3f')} | "
+                f"{_fmt_seeds([r['eval_loss_codec'] for r in rs], '.3f')} | "
+                f"{100 * statistics.mean(r['codec_time_frac'] for r in rs):.1f}% | {ups} |"
+            )
+        out.append("")
+    return "\n".join(out)
+
+
+def frame_plots(runs: list[dict], out: Path) -> Path:
+    """One Pareto panel per task: EM (dense eval, filled; codec on, hollow) against all-in bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({r["task"] for r in runs})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4.8), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        groups: dict[tuple, list[dict]] = defaultdict(list)
+        for r in runs:
+            if r["task"] == task:
+                groups[(r["variant"], r["frame_tokens"], r["steps"])].append(r)
+        for (name, t, steps), g in sorted(groups.items()):
+            x = statistics.mean(r["bytes_per_token"] for r in g)
+            em = statistics.mean(r["em_dense_eval"] for r in g)
+            emc = statistics.mean(r["em_codec_eval"] for r in g)
+            ax.scatter([x], [em], s=50, marker="*" if name == "dense" else "o", zorder=3)
+            if name != "dense":
+                ax.scatter([x], [emc], s=30, facecolors="none", edgecolors="k", zorder=3)
+                ax.plot([x, x], [em, emc], color="0.7", lw=0.8, zorder=1)
+            ax.annotate(
+                f"{name} T={t} ({steps} steps)",
+                (x, em),
+                fontsize=7,
+                xytext=(4, 4),
+                textcoords="offset points",
+            )
+            if name == "dense":
+                ax.axhline(0.9 * em, color="g", ls=":", lw=0.8, label=f"0.9 × dense EM (T={t})")
+        ax.axvline(1152 / 10, color="r", ls="--", lw=0.8, label="10× fewer bytes than dense bf16")
+        ax.set_xscale("log")
+        ax.set_xlim(40, 1600)
+        ax.set_ylim(-0.03, 1.0)
+        ax.set_xlabel("bytes per token per boundary per direction, all basis bytes included")
+        ax.set_ylabel("exact match (filled: dense eval; hollow: codec on)")
+        ax.set_title(f"{task}: node-packed frames, 4 stages")
+        ax.legend(fontsize=7, loc="upper left")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    p = out / "pareto_frames.png"
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return p
 
 
 def _settings(r: dict) -> str:
@@ -210,11 +300,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     out = Path(args.out)
-    runs = json.loads((out / "links.json").read_text())
+    every = json.loads((out / "links.json").read_text())
+    runs = [r for r in every if not r.get("frame_tokens")]  # 16 examples per step (sessions 1-3)
+    framed = [r for r in every if r.get("frame_tokens")]
     md = tables(runs)
+    if framed:
+        md += "\n" + frame_tables(framed)
     (out / "quality_tables.md").write_text(md + "\n")
     print(md)
-    for p in plots(runs, out):
+    for p in (plots(runs, out) if runs else []) + ([frame_plots(framed, out)] if framed else []):
         print("wrote", p)
     return 0
 

@@ -67,6 +67,12 @@ def _subspace(**kw) -> LinkCodec:
     return SubspaceCodec(**kw)
 
 
+def _linkbasis(**kw) -> LinkCodec:
+    from compression.linkbasis import LinkBasisCodec
+
+    return LinkBasisCodec(**kw)
+
+
 CODECS: dict[str, Callable[..., LinkCodec]] = {
     "dense": DenseCodec,
     "mask": _mask,
@@ -79,6 +85,7 @@ CODECS: dict[str, Callable[..., LinkCodec]] = {
     "bottleneck": _bottleneck,
     "subspace": _subspace,
     "lowrank": _lowrank,
+    "linkbasis": _linkbasis,
 }
 
 

@@ -1,6 +1,7 @@
 """Training data for the head stage: examples -> right-padded microbatches with labels.
 
-Sources: the built-in ``arithmetic`` task (2-digit addition, generated offline), ``stdlib``
+Sources: the built-in ``arithmetic`` task (2-digit addition, generated offline), ``ordering``
+(chained comparisons, generated offline), ``stdlib``
 (docstrings of standard-library modules, read from this Python), a JSONL
 file of ``{"text": ...}`` or ``{"prompt": ..., "completion": ...}`` records, or plain text.
 Prompt/completion examples carry loss on the completion only.
@@ -21,6 +22,7 @@ import torch
 from node.stages import IGNORE_INDEX
 
 BUILTIN = "arithmetic"
+ORDERING = "ordering"  # chained comparisons answered with a name (``ordering_example``)
 STDLIB = "stdlib"  # docstrings of standard-library modules: English prose that ships with Python
 STDLIB_MODULES = (
     "argparse collections dataclasses functools json logging os pathlib re shutil string subprocess "
@@ -48,6 +50,33 @@ def arithmetic_example(rng: random.Random) -> Example:
     return Example(prompt=f"Q: {a}+{b}=\nA:", completion=f" {a + b}")
 
 
+_ORDER_NAMES = ("Tom", "Anna", "Ben", "Lucy", "Sam", "Mia", "Jack", "Emma", "Leo", "Nora", "Max", "Ella")
+_ORDER_RELATIONS = (
+    ("older", "youngest", "oldest"),
+    ("taller", "shortest", "tallest"),
+    ("faster", "slowest", "fastest"),
+)
+
+
+def ordering_example(rng: random.Random) -> Example:
+    """Multi-step comparison, answered with a name: three chained facts in a shuffled order,
+    e.g. ``Q: Ben is taller than Mia. Anna is taller than Ben. Mia is taller than Leo. Who is
+    the shortest?\nA:`` -> `` Leo``. The answer needs the whole chain (chance 1/4), unlike the
+    one-step sums of ``arithmetic``; nothing is downloaded."""
+    people = rng.sample(_ORDER_NAMES, 4)  # people[0] ranks highest
+    rel, low, high = rng.choice(_ORDER_RELATIONS)
+    facts = [f"{people[i]} is {rel} than {people[i + 1]}." for i in range(3)]
+    rng.shuffle(facts)
+    ask_high = rng.random() < 0.5
+    return Example(
+        prompt=f"Q: {' '.join(facts)} Who is the {high if ask_high else low}?\nA:",
+        completion=f" {people[0] if ask_high else people[-1]}",
+    )
+
+
+TASKS = {BUILTIN: arithmetic_example, ORDERING: ordering_example}  # generated offline, per seed
+
+
 def as_plain_text(examples: list[Example]) -> list[Example]:
     """Pretraining: next-token loss on every position, prompts included."""
     return [Example(ex.prompt + ex.completion, "") for ex in examples]
@@ -57,12 +86,14 @@ def load_examples(source: str, seed: int = 0, n_builtin: int = 20000) -> list[Ex
     if source == STDLIB:
         text = stdlib_docstrings().decode("utf-8")
         return [Example(p.strip(), "") for p in text.split("\n\n") if p.strip()]
-    if source == BUILTIN:
+    if source in TASKS:
         rng = random.Random(seed)
-        return [arithmetic_example(rng) for _ in range(n_builtin)]
+        return [TASKS[source](rng) for _ in range(n_builtin)]
     path = Path(source)
     if not path.is_file():
-        raise DataError(f"data file {source} not found; pass --data arithmetic or a .jsonl/.txt file")
+        raise DataError(
+            f"data file {source} not found; pass --data arithmetic, ordering or a .jsonl/.txt file"
+        )
     if path.suffix == ".jsonl":
         out = []
         for i, line in enumerate(path.read_text().splitlines(), 1):
