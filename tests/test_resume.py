@@ -74,9 +74,10 @@ def _parts(ck) -> dict[str, tuple[dict, object]]:
 
 def test_resume_restores_weights_optimizer_and_outer_state_exactly(tmp_path):
     """A node resumed at its --max-steps trains nothing and leaves a final checkpoint of what it
-    restored: every tensor (weights, AdamW moments, outer theta/momentum/PowerSGD state) must equal the one it resumed from. (A lone replica's outer state never leaves its initial value,
-    so a skipped outer restore would pass here; test_churn and test_diloco_sync cover outer state
-    that moved. A skipped AdamW restore fails here: checked by hand.)"""
+    restored: every tensor (weights, AdamW moments, outer theta/momentum/PowerSGD state) must equal
+    the one it resumed from. A lone replica's outer state never leaves its initial value, so a
+    skipped outer restore would pass here (test_churn and test_diloco_sync cover outer state that
+    moved); a skipped AdamW restore fails here (checked by hand)."""
     first = _join(tmp_path, "--max-steps", "4", "--outer-every", "2")
     assert first.returncode == 0, first.stderr[-2000:]
     ckdir = tmp_path / "state" / "checkpoints" / "resume-test" / "stage-0"
