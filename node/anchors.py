@@ -15,6 +15,7 @@ mn. Weights travel in bf16, in frames of at most ``MAX_TENSORS`` tensors.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 
 import torch
@@ -82,16 +83,19 @@ class WeightServer:
             req = decode_frame(await rt.wire.recv(reader, 4096, rt.cfg.hop_timeout), run_id=rt.run.run_id)
             if req.kind != "weights":
                 raise FrameError("expected a weights request")
-            step, named = await rt.compute(self._snapshot)
+            # fp32 on request (export: the exact weights); bf16 by default (joiners and anchors)
+            dtype = torch.float32 if req.meta.get("dtype") == "float32" else torch.bfloat16
+            step, named = await rt.compute(self._snapshot, dtype)
             groups = chunks(sorted(named.items()), MAX_TENSORS)
             for i, group in enumerate(groups):
+                last = i == len(groups) - 1
                 data = encode_frame(
                     Frame(
                         kind="weights",
                         run_id=rt.run.run_id,
                         step=step,
                         tensors=dict(group),
-                        meta={"last": int(i == len(groups) - 1)},
+                        meta={"last": 1, "digest": weights_digest(named)} if last else {"last": 0},
                     )
                 )
                 self.bytes_served += len(data)
@@ -101,10 +105,20 @@ class WeightServer:
         finally:
             close_quietly(writer)
 
-    def _snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
+    def _snapshot(self, dtype: torch.dtype = torch.bfloat16) -> tuple[int, dict[str, torch.Tensor]]:
         return self.rt.inner_step, {
-            n: p.detach().to(torch.bfloat16).cpu().clone() for n, p in self.rt.stage.named_parameters()
+            n: p.detach().to(dtype).cpu().clone() for n, p in self.rt.stage.named_parameters()
         }
+
+
+def weights_digest(named: dict[str, torch.Tensor]) -> str:
+    """sha256 over the names, dtypes, shapes and bytes of a weight snapshot (sent with its last frame)."""
+    h = hashlib.sha256()
+    for name, t in sorted(named.items()):
+        h.update(f"{name}|{str(t.dtype)}|{list(t.shape)}|".encode())
+        raw = t.detach().contiguous().cpu()
+        h.update(raw.reshape(-1).view(torch.uint8).numpy().tobytes() if raw.numel() else b"")
+    return h.hexdigest()
 
 
 class PacketSink:
