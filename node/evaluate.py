@@ -81,10 +81,10 @@ def greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: int | None) -
     dev = next(model.parameters()).device
     x = torch.tensor([prompt_ids], device=dev)
     out: list[int] = []
-    past = None
+    cache = None
     for _ in range(max_new_tokens):
-        res = model(input_ids=x, past_key_values=past, use_cache=True)
-        past = res.past_key_values
+        res = model(input_ids=x, cache=cache, use_cache=True)  # transformers 5: `cache`, not past_key_values
+        cache = res.cache
         nxt = int(res.logits[0, -1].argmax())
         if nxt == eos:
             break

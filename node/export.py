@@ -280,8 +280,8 @@ def parts_from_checkpoints(dirs: list[str], run_id: str | None = None) -> tuple[
         start += n
     if "lm_head.weight" not in parts[-1].tensors and "norm.weight" not in parts[-1].tensors:
         raise ExportError(
-            f"no checkpoint of stage {len(parts)} (the tail) of run {run_id} in {' '.join(dirs)}; "
-            "add the state directory of a node that served it"
+            f"no checkpoint of stage {len(parts)} or later (the tail is missing) of run {run_id} in "
+            f"{' '.join(dirs)}; add the state directories of the nodes that served them"
         )
     return parts, {"run_id": run_id, "model_hash": hashes.pop()}
 
