@@ -387,6 +387,11 @@ def finish_model(args, report: Path, run_id: str, held: list | None, before: dic
     lines = [f"exported to {out}"] if args.export else []
     if done.info["embeddings"] == "untied":
         lines.append("the head's and tail's embedding copies differ: exported untied, as the swarm computes")
+    if args.export:
+        # a bash $'...' string, so the prompt's newline survives a copy-paste
+        prompt = (held[0].prompt if held else "Hello").replace("\\", "\\\\").replace("'", "\\'")
+        prompt = prompt.replace("\n", "\\n")
+        lines.append(f"talk to it: python -m node generate --model {out} --prompt $'{prompt}'")
     if held:
         model, tok = load_for_eval(str(out), args.device)
         after = evaluate(model, tok, held, completion_budget(tok, held))
