@@ -30,7 +30,6 @@ import os
 import re
 import secrets
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -45,7 +44,7 @@ from node.checkpoint import CheckpointError, _pid_alive, list_checkpoints, load_
 from node.model import BUNDLED, BUNDLED_NAME, content_hash, load_model
 from node.transport import close_quietly
 from node.wire import Wire
-from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame
+from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame
 
 log = logging.getLogger("node")
 
@@ -104,7 +103,7 @@ def assemble_state(parts: list[StagePart], base: torch.nn.Module) -> tuple[dict[
 
     Raises ExportError naming a missing stage or tensor, or a shape that does not fit.
     """
-    want = {k: v for k, v in base.state_dict().items()}
+    want = base.state_dict()
     tie_config = bool(getattr(base.config, "tie_word_embeddings", False))
     out: dict[str, torch.Tensor] = {}
     for part in parts:
@@ -307,8 +306,6 @@ async def pull_stage(
     )
     named: dict[str, torch.Tensor] = {}
     try:
-        from protocol.frames import encode_frame
-
         req = Frame(kind="weights", run_id=v.run_id, meta={"dtype": "float32"})
         await v.wire.send(writer, encode_frame(req), timeout)
         while True:
@@ -331,6 +328,7 @@ async def pull_stage(
 
 
 async def _pull_all(v: _Visitor, run, routes, bytes_per_stage: list[int], timeout: float) -> list[StagePart]:
+    from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
     parts = []
@@ -339,8 +337,7 @@ async def _pull_all(v: _Visitor, run, routes, bytes_per_stage: list[int], timeou
         BarColumn(),
         DownloadColumn(),
         TransferSpeedColumn(),
-        transient=not sys.stderr.isatty(),
-        console=None,
+        console=Console(stderr=True),  # stdout keeps only the result line
     ) as bar:
         for i, (start, end) in enumerate(run.stages):
             peers = sorted(
