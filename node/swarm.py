@@ -364,9 +364,10 @@ def finish_model(args, report: Path, run_id: str, held: list | None, before: dic
     """Export from the nodes' final checkpoints, then score the exported model on the held-out set.
 
     From checkpoints rather than live peers: the nodes keep training until they are stopped,
-    so stages pulled one after the other would come from different steps, while the
-    checkpoints every node writes on SIGTERM (head first, after its in-flight microbatches)
-    hold the state after the last step every stage took.
+    so stages pulled one after the other would each be caught mid-run, while the checkpoint
+    every node writes on SIGTERM (head first, after its in-flight microbatches) holds its
+    stage after the last step it took, which nothing changes afterwards. (Stages step on
+    their own token counts, so their inner steps may differ; ``stages`` in the result says.)
     """
     import shutil
     import tempfile
