@@ -39,6 +39,9 @@ def load_for_eval(spec: str, device: str = "cpu", seed: int = 0):
         raise EvalError(
             f"--model {spec}: not a model directory (no config.json); pass an exported DIR or bundled"
         )
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars would bury the result lines
     try:
         model, tok, _ = load_model(spec, seed=seed)
     except ModelError as e:

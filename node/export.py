@@ -205,6 +205,9 @@ def model_spec(run_model_name: str) -> str | None:
 
 def load_base(spec: str, seed: int, want_hash: str, what: str):
     """(model, tokenizer) of ``spec``, which must hash like the run's model."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # ours is the transfer's; transformers' load/save bars are noise
     model, tok, name = load_model(spec, seed=seed)
     got = content_hash(model)
     if got != want_hash:
