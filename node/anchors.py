@@ -9,7 +9,8 @@
 
 Transport: each matrix gradient travels as rank-r factors (U·diag(s), V) in bf16, from a
 randomized SVD: the filter only uses the leading subspace, so r(m+n) numbers stand in for
-mn. Weights travel in bf16, in frames of at most ``MAX_TENSORS`` tensors.
+mn. Weights travel in bf16 (fp32 with a sha256 digest when ``node export`` asks), in frames of
+at most ``MAX_TENSORS`` tensors.
 """
 
 from __future__ import annotations
@@ -83,9 +84,10 @@ class WeightServer:
             req = decode_frame(await rt.wire.recv(reader, 4096, rt.cfg.hop_timeout), run_id=rt.run.run_id)
             if req.kind != "weights":
                 raise FrameError("expected a weights request")
-            # fp32 on request (export: the exact weights); bf16 by default (joiners and anchors)
-            dtype = torch.float32 if req.meta.get("dtype") == "float32" else torch.bfloat16
-            step, named = await rt.compute(self._snapshot, dtype)
+            # export asks for the exact fp32 weights and a digest; joiners and anchors get bf16
+            exact = req.meta.get("dtype") == "float32"
+            step, named = await rt.compute(self._snapshot, torch.float32 if exact else torch.bfloat16)
+            digest = await asyncio.to_thread(weights_digest, named) if exact else ""  # off the event loop
             groups = chunks(sorted(named.items()), MAX_TENSORS)
             for i, group in enumerate(groups):
                 last = i == len(groups) - 1
@@ -95,7 +97,7 @@ class WeightServer:
                         run_id=rt.run.run_id,
                         step=step,
                         tensors=dict(group),
-                        meta={"last": 1, "digest": weights_digest(named)} if last else {"last": 0},
+                        meta={"last": 1, "digest": digest} if last else {"last": 0},
                     )
                 )
                 self.bytes_served += len(data)
