@@ -453,15 +453,14 @@ def verify_checkpoints(phase: Phase, swarm_args) -> dict:
     """Load every checkpoint every node left with the node's own loader, into a fresh stage + AdamW."""
     import torch
 
-    from node.join import new_run_record
-    from node.model import content_hash, load_model
+    from node.join import load_run_model, new_run_record
     from node.runtime import StageRuntime
-    from node.stages import build_stage
 
     cfg = config_from_args(swarm_args)
     cfg.run_id = phase.run_id
-    model, _, name = load_model(cfg.model, seed=cfg.seed)
-    run = new_run_record(cfg, model, name, content_hash(model))
+    source = load_run_model(cfg, None)
+    run = new_run_record(cfg, source.skeleton, source.name, "")
+    run.model_hash, run.stage_hashes = source.run_hashes(run.stages)  # as the swarm's starter did
     out = {"checkpoints": 0, "loaded": 0, "failed": [], "nodes_without_checkpoint": [], "per_node": {}}
     for node in sorted({lf.node for lf in phase.lives}):
         nodedir = phase.root / "nodes" / str(node)
@@ -474,7 +473,7 @@ def verify_checkpoints(phase: Phase, swarm_args) -> dict:
                 out["checkpoints"] += 1
                 try:
                     ck = load_checkpoint(path)
-                    stage = build_stage(model, run.stages, stage_index, keep_model=True)
+                    stage = source.load_stage(run.stages, stage_index, torch.device("cpu"))
                     rt = StageRuntime(
                         cfg, run, stage_index, stage, None, f"verify-{node}", device=torch.device("cpu")
                     )

@@ -14,13 +14,16 @@ _CFG_DEFAULTS = {f.name: f.default for f in fields(NodeConfig) if not callable(f
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
     """Settings of a new run (used by the node that starts a swarm; joiners read them from the DHT)."""
-    g = p.add_argument_group("run settings (first node only; joiners take them from the swarm)")
+    g = p.add_argument_group(
+        "run settings (first node only; joiners take them from the swarm, except --model)"
+    )
     d = _CFG_DEFAULTS
     g.add_argument(
         "--model",
         default=d["model"],
-        help="'bundled' (SmolLM2-135M-Instruct, offline), 'tiny[:LAYERS]' (random init, for tests), "
-        "or a local Hugging Face Llama-family checkpoint directory (default: %(default)s)",
+        help="'bundled' (SmolLM2-135M-Instruct, offline), 'tiny[:LAYERS]' (random init, for tests), a Hub id "
+        "(owner/name, fetched once) or a local Llama/Qwen2/Qwen3/Mistral checkpoint; joiners pass the same "
+        "--model (the join command the first node prints carries it) (default: %(default)s)",
     )
     g.add_argument(
         "--stages", type=int, default=d["stages"], help="pipeline stages of a new run (default: %(default)s)"
@@ -101,9 +104,10 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--outer-every",
         type=int,
-        default=d["outer_every"],
+        default=None,
         help="DiLoCo: inner steps between outer rounds in which the replicas of a stage average "
-        "their pseudo-gradients; 0 = never (default: %(default)s)",
+        f"their pseudo-gradients (a stage with one replica skips them); 0 = never (default: "
+        f"{d['outer_every']}, 0 with --dp scape)",
     )
     g.add_argument(
         "--powersgd-rank",
@@ -316,6 +320,12 @@ def add_network_args(p: argparse.ArgumentParser) -> None:
         "--run-id", default=d["run_id"], help="which run of the swarm to join (default: %(default)s)"
     )
     g.add_argument(
+        "--new-run",
+        action="store_true",
+        help="with --peers: start --run-id on that DHT (e.g. a plain hivemind bootstrap peer) instead "
+        "of joining it; refused if the run already exists",
+    )
+    g.add_argument(
         "--circuit",
         default=d["circuit"],
         choices=["fast", "anchor"],
@@ -391,6 +401,8 @@ def run_arg_flags(args: argparse.Namespace) -> list[str]:
     out: list[str] = []
     for action in probe._actions:
         value = getattr(args, action.dest)
+        if value is None:  # not given and resolved by the node itself (--outer-every)
+            continue
         if isinstance(action, argparse._StoreTrueAction):
             out += [action.option_strings[0]] if value else []
         else:
@@ -463,22 +475,48 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_run_args(s)
     s.add_argument("--data", default=_CFG_DEFAULTS["data"], help="training data for the head stage(s)")
-    s.add_argument("--device", default=_CFG_DEFAULTS["device"], choices=["auto", "cuda", "cpu"])
-    s.add_argument("--max-inflight", type=int, default=_CFG_DEFAULTS["max_inflight"])
-    s.add_argument("--hop-timeout", type=float, default=_CFG_DEFAULTS["hop_timeout"])
+    s.add_argument(
+        "--device",
+        default=_CFG_DEFAULTS["device"],
+        choices=["auto", "cuda", "cpu"],
+        help="where every node computes; auto = cuda if present (default: %(default)s)",
+    )
+    s.add_argument(
+        "--max-inflight",
+        type=int,
+        default=_CFG_DEFAULTS["max_inflight"],
+        help="microbatches a head keeps in the pipeline at once (default: %(default)s)",
+    )
+    s.add_argument(
+        "--hop-timeout",
+        type=float,
+        default=_CFG_DEFAULTS["hop_timeout"],
+        help="seconds for one hop's compute and reply, times the hops ahead (default: %(default)s)",
+    )
     s.add_argument("--swarm-key", default=None, help="swarm key file given to every node")
+    s.add_argument(
+        "--restart-dead",
+        action="store_true",
+        help="restart a node that dies with --resume (its checkpoint, then the stage's current "
+        "weights); without it the run goes on while every stage keeps a live node",
+    )
     add_swarm_model_out_args(s)
 
     st = sub.add_parser("status", help="print a swarm's run, stages and peers from the DHT")
     st.add_argument("--peers", nargs="+", required=True, help="multiaddr(s) of any peer in the swarm")
-    st.add_argument("--run-id", default="default")
-    st.add_argument("--join-timeout", type=float, default=_CFG_DEFAULTS["join_timeout"])
+    st.add_argument("--run-id", default="default", help="which run to show (default: %(default)s)")
+    st.add_argument(
+        "--join-timeout",
+        type=float,
+        default=_CFG_DEFAULTS["join_timeout"],
+        help="seconds to reach the peers and read the run (default: %(default)s)",
+    )
     st.add_argument("--json", action="store_true", help="print JSON")
 
     h = sub.add_parser(
         "health", help="exit 0 if the local node is alive and serving (for container healthchecks)"
     )
-    h.add_argument("--state-dir", default=None)
+    h.add_argument("--state-dir", default=None, help="the node's state directory (default: the node's)")
 
     sub.add_parser("prepare-model", help="convert the bundled SmolLM2-135M into the local cache (once)")
 
@@ -614,6 +652,8 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("hivemind", "transformers", "httpx", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING if not args.verbose else logging.INFO)
     if args.cmd in ("join", "swarm"):
+        if args.outer_every is None:  # DiLoCo rounds by default; SCAPE syncs every step instead
+            args.outer_every = 0 if args.dp == "scape" else _CFG_DEFAULTS["outer_every"]
         try:
             check_run_flags(args)
         except FlagError as e:

@@ -6,6 +6,8 @@ import logging
 
 import torch
 
+from node.model import weight_dtype
+
 log = logging.getLogger("node")
 
 
@@ -35,15 +37,17 @@ def stage_memory_bytes(
     max_inflight: int,
     device: torch.device,
 ) -> dict[str, int]:
-    """A stage's memory: fp32 weights + grads + AdamW moments (16 B/param), and the activations
-    autograd keeps per in-flight microbatch (~34·h bytes per token per layer in 16-bit, doubled in
-    fp32; Korthikanti et al. 2022), plus the tail's logits."""
+    """A stage's memory: weights + grads + AdamW's two moments, all in the weights' dtype (fp32, as
+    ``node.model.weight_dtype`` loads them: 16 B/param), and the
+    activations autograd keeps per in-flight microbatch (~34·h bytes per token per layer in 16-bit,
+    doubled in fp32; Korthikanti et al. 2022), plus the tail's logits."""
     act_bytes = 2 if device.type == "cuda" else 4
     tokens = microbatch * seq_len * max_inflight
     activations = n_layers * tokens * 34 * hidden * act_bytes // 2
     if vocab:
         activations += tokens * vocab * 4 * 2  # fp32 logits and their gradient
-    states = n_params * 16
+    weight_bytes = torch.finfo(weight_dtype(device)).bits // 8
+    states = n_params * 4 * weight_bytes
     return {"states": states, "activations": activations, "total": states + activations}
 
 

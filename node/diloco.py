@@ -61,6 +61,7 @@ import functools
 import hashlib
 import logging
 import multiprocessing as mp
+import os
 import re
 import signal
 import threading
@@ -81,6 +82,8 @@ from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 
 from compression.outer import GaslocOuter, OuterNesterov
 from compression.powersgd import DEFAULT_MIN_COMPRESS_NUMEL, PowerSGD, PowerSGDState, initial_q
+from node.membership import parent_death_signal
+from node.pipes import tolerate_dead_senders
 
 log = logging.getLogger("node")
 
@@ -224,10 +227,20 @@ class _OuterAverager(DecentralizedAverager):
         self.record[_ACTIVE] = self.record[_COMMITTED] = -1
         self.lineage_out = mp.RawArray(ctypes.c_char, _LINEAGE_LEN)
         self._state_fn = state_fn
+        self._node_pid = os.getpid()
         super().__init__([delta[n] for n in self.names], start=False, **kwargs)
         # Peers with another rank / mode / seed / threshold must never share a group: fold the
         # configuration into the schema hash that matchmaking compares.
         self.schema_hash = hashlib.blake2b(self.schema_hash + config_tag.encode(), digest_size=20).digest()
+
+    def run(self):
+        # The helper dies with its node, even a SIGKILLed one: left behind it would hold the node's
+        # stdout (a caller waiting for EOF hangs) and its identity lock (a restart is refused).
+        parent_death_signal(signal.SIGKILL)
+        if os.getppid() != self._node_pid:  # the node died before prctl took effect
+            os._exit(0)
+        tolerate_dead_senders(self, "outer averager")  # see node/pipes.py
+        super().run()
 
     @staticmethod
     def _Popen(process_obj):

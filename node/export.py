@@ -41,7 +41,7 @@ from hivemind.p2p import PeerID
 
 from node.anchors import WEIGHTS_HANDLER, weights_digest
 from node.checkpoint import CheckpointError, _pid_alive, list_checkpoints, load_checkpoint
-from node.model import BUNDLED, BUNDLED_NAME, content_hash, load_model
+from node.model import BUNDLED, BUNDLED_NAME, open_model
 from node.transport import close_quietly
 from node.wire import Wire
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame
@@ -203,19 +203,19 @@ def model_spec(run_model_name: str) -> str | None:
     return f"tiny:{m.group(1)}:{m.group(2)}" if m else None
 
 
-def load_base(spec: str, seed: int, want_hash: str, what: str):
-    """(model, tokenizer) of ``spec``, which must hash like the run's model."""
+def load_base(spec: str, seed: int, ranges: list[list[int]], want_hash: str, what: str):
+    """(whole model, tokenizer) of ``spec``, whose run hash over ``ranges`` must be the run's."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # ours is the transfer's; transformers' load/save bars are noise
-    model, tok, name = load_model(spec, seed=seed)
-    got = content_hash(model)
+    source = open_model(spec, seed=seed)
+    got = source.run_hashes(ranges)[0]  # the run record's model hash: config and every stage's tensors
     if got != want_hash:
         raise ExportError(
-            f"--model {spec} ({name}, hash {got[:12]}) is not the model {what} trains (hash "
+            f"--model {spec} ({source.name}, hash {got[:12]}) is not the model {what} trains (hash "
             f"{want_hash[:12]}); pass the same --model (and --seed for tiny models) as the swarm"
         )
-    return model, tok
+    return source.load_whole(), source.tokenizer()
 
 
 # ---------------------------------------------------------------------- from checkpoints
@@ -435,7 +435,7 @@ def export_from_peers(
                 raise ExportError(
                     f"the run trains {run.model_name}: pass --model with that checkpoint directory"
                 )
-            base, tok = load_base(spec, run.seed, run.model_hash, f"run {run_id}")
+            base, tok = load_base(spec, run.seed, run.stages, run.model_hash, f"run {run_id}")
             routes = read_stage_records_sync(dht, run.run_id, len(run.stages))
 
             async def pull() -> list[StagePart]:
@@ -466,7 +466,8 @@ def export_from_checkpoints(
 ) -> Assembled:
     """Assemble ``out`` offline from the newest checkpoint of every stage found in ``dirs``."""
     parts, run = parts_from_checkpoints(dirs, run_id)
-    base, tok = load_base(model, seed, run["model_hash"], f"the checkpoints of run {run['run_id']}")
+    ranges = [[p.start, p.end] for p in parts]
+    base, tok = load_base(model, seed, ranges, run["model_hash"], f"the checkpoints of run {run['run_id']}")
     return _finish(out, parts, base, tok, run, "checkpoints", replace, hook)
 
 

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -23,6 +24,7 @@ from node.diloco import OuterSync
 from node.links import build_codec, codec_settings
 from node.membership import (
     JoinError,
+    keep_run_record,
     publish_run_record,
     read_run_record,
     read_stage_records_sync,
@@ -31,10 +33,10 @@ from node.membership import (
     start_dht,
     store_stage_record_sync,
 )
-from node.model import content_hash, load_model, load_pretrain_model
+from node.model import ModelSource, combine_hashes, open_model, open_pretrain_model, resolve_model_path
 from node.routing import choose_stage
 from node.runtime import StageRuntime
-from node.stages import build_stage, default_stage_ranges
+from node.stages import default_stage_ranges
 from node.wire import Wire
 from protocol.auth import key_id, load_swarm_key
 from protocol.records import RunRecord, StageRecord
@@ -82,20 +84,22 @@ def new_run_record(cfg: NodeConfig, model, name: str, model_hash: str) -> RunRec
     )
 
 
-def load_run_model(cfg: NodeConfig, run: RunRecord | None):
-    """The model this node serves: as the run says (joiners), or as the flags say (the starter).
+def load_run_model(cfg: NodeConfig, run: RunRecord | None) -> ModelSource:
+    """The model this node serves, as the run says (joiners) or as the flags say (the starter).
 
+    Only the config of a checkpoint is read here: the node claims a stage by its estimated
+    memory first and then loads that stage's tensors (``ModelSource.load_stage``).
     ``--mode pretrain`` builds a fresh Llama from a config and the run seed (with the subspace
     constraint when the run's codec is ``subspace``); every peer builds the same bits, which the
-    content hash then confirms.
+    content hashes then confirm.
     """
     mode = cfg.mode if run is None else run.mode
     seed = cfg.seed if run is None else run.seed
     if mode == "pretrain":
         codec = {"codec": cfg.codec, "k": cfg.subspace_rank} if run is None else run.codec
         k = int(codec.get("k", 0)) if codec.get("codec") == "subspace" else 0
-        return load_pretrain_model(cfg.model, seed=seed, subspace_k=k)
-    return load_model(cfg.model, seed=seed)
+        return open_pretrain_model(cfg.model, seed=seed, subspace_k=k)
+    return open_model(cfg.model, seed=seed)
 
 
 def needs_basis(run: RunRecord) -> bool:
@@ -183,10 +187,37 @@ def claim_stage(cfg: NodeConfig, dht, run: RunRecord, peer_id: str, fits: set[in
     return index
 
 
-def join_command(peer_id: str, maddrs: list[str], run_id: str) -> str:
+def join_command(peer_id: str, maddrs: list[str], run_id: str, model: str = NodeConfig.model) -> str:
+    """The command others paste. It carries ``--model``: a joiner builds the run's model from the
+    same spec (the run record holds only its display name and hash), the rest comes from the DHT."""
     peers = " ".join(a for a in maddrs if "/p2p/" in a) or " ".join(f"{a}/p2p/{peer_id}" for a in maddrs)
-    extra = f" --run-id {run_id}" if run_id != "default" else ""
+    extra = f" --run-id {shlex.quote(run_id)}" if run_id != "default" else ""
+    extra += f" --model {shlex.quote(model)}" if model != NodeConfig.model else ""
     return f"python -m node join --peers {peers}{extra}"
+
+
+NEW_RUN_CHECK_S = 3.0  # --new-run: how long to look for an existing record of the run id
+
+
+def find_run(cfg: NodeConfig, dht) -> RunRecord | None:
+    """The run to join (None: this node starts it). Refuses in one line what cannot be meant."""
+    if not cfg.peers:
+        return None
+    if cfg.new_run:  # a run on a DHT that others share (a plain hivemind bootstrap, another run's swarm)
+        if read_run_record(dht, cfg.run_id, timeout=NEW_RUN_CHECK_S) is not None:
+            raise JoinError(
+                f"--new-run: run {cfg.run_id!r} already exists in the swarm at {cfg.peers[0]}; join it "
+                "without --new-run, or start another run with a different --run-id"
+            )
+        return None
+    run = read_run_record(dht, cfg.run_id, timeout=cfg.join_timeout)
+    if run is None:
+        raise JoinError(
+            f"no run {cfg.run_id!r} found in the swarm at {cfg.peers[0]} within "
+            f"{cfg.join_timeout:.0f}s; check --run-id, pass --new-run to start this run on that DHT, "
+            "or start a new swarm without --peers"
+        )
+    return run
 
 
 def _interrupt(signum, frame):
@@ -204,27 +235,22 @@ def run_join(cfg: NodeConfig) -> int:
     sockdir = socket_dir(cfg.run_id)
     dht = outer = None
     try:
+        resolve_model_path(cfg.model)  # a Hub download, or its offline error, before any daemon starts
         log.info("starting p2pd and the DHT%s", f" (bootstrap: {' '.join(cfg.peers)})" if cfg.peers else "")
         dht = start_dht(cfg)
         peer_id = dht.peer_id.to_base58()
         maddrs = [str(a) for a in dht.get_visible_maddrs()]
-        run = None
-        if cfg.peers:
-            run = read_run_record(dht, cfg.run_id, timeout=cfg.join_timeout)
-            if run is None:
-                raise JoinError(
-                    f"no run {cfg.run_id!r} found in the swarm at {cfg.peers[0]} within "
-                    f"{cfg.join_timeout:.0f}s; check --run-id, or start a new swarm without --peers"
-                )
-        model, tok, name = load_run_model(cfg, run)
-        model_hash = content_hash(model)
+        run = find_run(cfg, dht)
+        source = load_run_model(cfg, run)  # config only: weights wait for the claimed stage
+        model, tok, name = source.skeleton, source.tokenizer(), source.name
         run_is_new = run is None
         if run is None:
-            run = new_run_record(cfg, model, name, model_hash)
+            run = new_run_record(cfg, model, name, "")
+            run.model_hash, run.stage_hashes = source.run_hashes(run.stages)  # streamed, tensor by tensor
             run.key_id = key_id(key) if key else ""
             publish_run_record(dht, run)
             print(f"started swarm {run.run_id!r}: {name}, {len(run.stages)} stages {run.stages}", flush=True)
-            print(f"others join with:\n  {join_command(peer_id, maddrs, run.run_id)}", flush=True)
+            print(f"others join with:\n  {join_command(peer_id, maddrs, run.run_id, cfg.model)}", flush=True)
         elif run.key_id and (key is None or key_id(key) != run.key_id):
             raise JoinError(
                 "this swarm only accepts nodes holding its swarm key: pass --swarm-key FILE "
@@ -232,17 +258,21 @@ def run_join(cfg: NodeConfig) -> int:
                 if key is None
                 else "--swarm-key is not this swarm's key (fingerprints differ); ask its operator"
             )
-        elif model_hash != run.model_hash:
+        elif combine_hashes(source.config_hash(), run.stage_hashes) != run.model_hash:
             raise JoinError(
-                f"this node's model ({name}, hash {model_hash[:12]}) differs from the run's "
-                f"({run.model_name}, {run.model_hash[:12]}); pass the same --model as the swarm"
+                f"this node's model ({name}, config {source.config_hash()[:12]}) differs from the run's "
+                f"({run.model_name}, {run.model_hash[:12]}); pass the --model of the join command the "
+                "swarm's first node printed"
             )
         bases = None
         if needs_basis(run):
             bases = BasisStore(run.run_id, dht, peer_id, timeout=cfg.join_timeout)
-            if run_is_new:  # the starter holds the whole pretrained model: calibrate every boundary
-                for b, payload in enumerate(calibrate_bases(cfg, run, model, tok)):
+            if run_is_new:  # the starter calibrates every boundary through the whole pretrained model
+                whole = source.load_whole()
+                for b, payload in enumerate(calibrate_bases(cfg, run, whole, tok)):
                     bases.add(b, payload)
+                del whole
+                publish_run_record(dht, run)  # calibrating may outlast its lifetime
         resume_from = None
         if cfg.resume:
             resume_from = newest_for_run(cfg.state_dir, run.run_id)
@@ -256,6 +286,11 @@ def run_join(cfg: NodeConfig) -> int:
                 cfg.stage = str(resume_from.counters["stage"])  # back to the stage the checkpoint holds
         mem = stage_memory(cfg, run, model, device)
         index = claim_stage(cfg, dht, run, peer_id, stages_that_fit(cfg, mem))
+        if not run_is_new and source.stage_hash(run.stages, index) != run.stage_hashes[index]:
+            raise JoinError(
+                f"this node's weights of stage {index} differ from the run's (hash mismatch); "
+                "pass the same --model checkpoint as the swarm, or download it again"
+            )
         start, end = run.stages[index]
         print(
             f"peer {peer_id} serves stage {index} (layers {start}..{end - 1}) on {device}, "
@@ -266,8 +301,8 @@ def run_join(cfg: NodeConfig) -> int:
             with open(cfg.ready_file + ".tmp", "w") as f:
                 json.dump({"peer_id": peer_id, "maddrs": maddrs, "stage": index}, f)
             os.replace(cfg.ready_file + ".tmp", cfg.ready_file)
-        stage = build_stage(model, run.stages, index).to(device)
-        del model
+        stage = source.load_stage(run.stages, index, device)
+        del model, source
         data = None
         if index == 0:
             tok = tok or ByteTokenizer(stage.config.vocab_size)
@@ -302,7 +337,11 @@ def run_join(cfg: NodeConfig) -> int:
 
         async def main():
             p2p = await dht.replicate_p2p()
-            await runtime.serve(p2p)
+            keeper = asyncio.create_task(keep_run_record(dht, run, runtime.stop))
+            try:
+                await runtime.serve(p2p)
+            finally:
+                keeper.cancel()
 
         try:
             import uvloop
@@ -331,4 +370,5 @@ def run_join(cfg: NodeConfig) -> int:
             if dht.is_alive():
                 dht.terminate()
             log.debug("DHT stopped in %.1fs", time.monotonic() - t0)
+            os.close(dht.identity_lock)
         remove_socket_dir(sockdir)

@@ -1,5 +1,10 @@
-"""Models the node can serve: the bundled SmolLM2-135M, any local Llama-family checkpoint,
-or a tiny random-init config for tests. Also the content hash that joiners verify."""
+"""Models the node can serve: the bundled SmolLM2-135M, a local or Hugging Face Hub
+Llama-family checkpoint (Llama, Qwen2, Qwen3, Mistral), or a tiny random-init config for tests.
+
+A node reads a checkpoint's config first (``open_model``), estimates its stages' memory from a
+weightless skeleton, and only then loads the tensors of the stage it claimed
+(``ModelSource.load_stage``). Per-stage content hashes are taken from the tensors as stored,
+so each node verifies only what it serves."""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
+import struct
 import sys
 from pathlib import Path
 
@@ -172,9 +179,62 @@ def load_pretrain_model(model: str, seed: int, subspace_k: int = 0):
     return m.float().eval(), tok, name
 
 
+# owner/name, as the Hub spells repository ids (a path that exists on disk wins)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# what a node needs from a Hub repository: weights as safetensors, config, tokenizer
+HUB_PATTERNS = [
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "*.model",
+]
+
+
+def hub_snapshot(repo_id: str) -> str:
+    """The local snapshot of Hub model ``repo_id``: the cached one, else downloaded into the HF cache."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=True)
+    except LocalEntryNotFoundError:
+        pass  # not cached yet
+    fix = (
+        f"download it once on a machine with network (`hf download {repo_id}`) and copy its "
+        f"HF cache to {constants.HF_HUB_CACHE}, or pass a local checkpoint directory"
+    )
+    if constants.HF_HUB_OFFLINE:
+        raise ModelError(
+            f"--model {repo_id} is not in the Hugging Face cache and HF_HUB_OFFLINE is set; {fix}"
+        )
+    print(
+        f"downloading {repo_id} from the Hugging Face Hub (safetensors, config, tokenizer)...",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        return snapshot_download(repo_id, allow_patterns=HUB_PATTERNS)
+    except (RepositoryNotFoundError, GatedRepoError) as e:
+        raise ModelError(
+            f"--model {repo_id}: the Hub refused it ({type(e).__name__}); check the id, and for a gated "
+            "model accept its licence on huggingface.co and log in with `hf auth login`"
+        ) from None
+    except LocalEntryNotFoundError as e:  # what snapshot_download raises when the Hub cannot be reached
+        cause = str(e).split("Got: ")[-1].splitlines()[0] if "Got: " in str(e) else "no connection"
+        raise ModelError(f"--model {repo_id}: cannot reach the Hugging Face Hub ({cause}); {fix}") from None
+
+
 def resolve_model_path(model: str) -> str:
+    """The checkpoint directory ``--model`` names: bundled, an existing path, or a Hub id (cached/fetched)."""
     if model == BUNDLED:
         return str(prepare_bundled())
+    if not Path(model).exists() and _HUB_ID.match(model):
+        return hub_snapshot(model)
     return model
 
 
@@ -203,19 +263,32 @@ def load_model(model: str, seed: int = 0):
     if not Path(path, "config.json").exists():
         raise ModelError(
             f"{path} is not a Hugging Face checkpoint directory (no config.json); "
-            "pass --model bundled or a local Llama-family checkpoint"
+            "pass --model bundled, a Hub id (owner/name) or a local Llama-family checkpoint"
         )
     m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
-    if getattr(m.config, "model_type", "") not in ("llama", "qwen2", "mistral", "qwen3"):
-        raise ModelError(
-            f"model type {m.config.model_type!r} is not a Llama-family decoder this node can split"
-        )
+    _check_model_type(m.config)
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except Exception:
         tok = None
-    name = BUNDLED_NAME if model == BUNDLED else Path(path).name
-    return m.eval(), tok, name
+    return m.eval(), tok, _display_name(model, path)
+
+
+SPLITTABLE = ("llama", "qwen2", "qwen3", "mistral")  # decoders whose stage split tests check
+
+
+def _check_model_type(config) -> None:
+    if getattr(config, "model_type", "") not in SPLITTABLE:
+        raise ModelError(
+            f"model type {config.model_type!r} is not a decoder this node can split; "
+            f"it serves {', '.join(SPLITTABLE)}"
+        )
+
+
+def _display_name(model: str, path: str) -> str:
+    if model == BUNDLED:
+        return BUNDLED_NAME
+    return model if _HUB_ID.match(model) and not Path(model).exists() else Path(path).name
 
 
 def content_hash(model: torch.nn.Module) -> str:
@@ -226,3 +299,254 @@ def content_hash(model: torch.nn.Module) -> str:
         h.update(name.encode())
         h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+# ------------------------------------------------------------------ stage-wise loading and hashing
+
+
+def config_digest(config) -> str:
+    """Hash of what the config says about the model; not where it was read from (``_name_or_path``)."""
+    fields = {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}
+    return hashlib.blake2b(
+        json.dumps(fields, sort_keys=True, default=str).encode(), digest_size=16
+    ).hexdigest()
+
+
+def stage_names(name: str, ranges: list[list[int]], tied_tail: bool) -> dict[int, list[str]]:
+    """Checkpoint tensor ``name`` -> {stage: the names it has inside that ``Stage``}.
+
+    ``tied_tail``: the checkpoint stores no lm_head (tied embeddings), so the tail serves the
+    embedding as its lm_head. Names no stage owns (buffers old releases saved) map to {}.
+    """
+    last = len(ranges) - 1
+    out: dict[int, list[str]] = {}
+    if name.startswith("model.embed_tokens."):
+        out[0] = [name[len("model.") :]]
+        if tied_tail and name == "model.embed_tokens.weight":
+            out.setdefault(last, []).append("lm_head.weight")
+    elif name.startswith("model.layers."):
+        layer, rest = name.split(".", 3)[2:]
+        for s, (start, end) in enumerate(ranges):
+            if start <= int(layer) < end:
+                out[s] = [f"layers.{int(layer) - start}.{rest}"]
+    elif name.startswith("model.norm."):
+        out[last] = [name[len("model.") :]]
+    elif name.startswith("lm_head."):
+        out[last] = [name]
+    return out
+
+
+def combine_hashes(config_hash: str, stage_hashes: list[str]) -> str:
+    """The run's model hash: its config and every stage's tensors, through the stage hashes."""
+    return hashlib.blake2b((config_hash + "".join(stage_hashes)).encode(), digest_size=16).hexdigest()
+
+
+def weight_dtype(device: torch.device) -> torch.dtype:
+    """fp32 weights everywhere; a GPU computes in bf16 autocast.
+
+    Why not bf16 weights on a GPU: AdamW on pure bf16 parameters drops every update smaller than
+    bf16's resolution (~0.4% of the weight), which at fine-tuning learning rates is most of them; and
+    the DP paths (PowerSGD error feedback, DiLoCo's theta - theta_local, SCAPE's bit-identical
+    replicas) are measured in fp32 only. bf16 storage needs fp32 master weights first (not built)."""
+    return torch.float32
+
+
+_SAFETENSORS_DTYPES = {"F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL"}
+
+
+def _safetensors_header(path: Path) -> tuple[dict, int]:
+    """(tensor entries, offset of the data section) of a safetensors file, reading its header only."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def weight_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (a single file, or shards named by an index json)."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelError(
+            f"{path} holds no safetensors weights; convert the checkpoint once with "
+            "`model.save_pretrained(dir)` (transformers saves safetensors)"
+        )
+    return {name: f for f in files for name in _safetensors_header(f)[0]}
+
+
+class ModelSource:
+    """What ``--model`` names, before any weight is loaded: config, a weightless skeleton, stages on demand.
+
+    A checkpoint source reads tensors from safetensors files only for the stage asked for; an
+    in-memory source (tiny, emulate, ``--mode pretrain``: built from a seed, small) holds its
+    model and serves stages from it. Both hash and load through the same stage selection.
+    """
+
+    def __init__(
+        self, name: str, config, path: Path | None = None, model: torch.nn.Module | None = None, tok=None
+    ):
+        self.name, self.config, self.path, self.model, self._tok = name, config, path, model, tok
+        self._files = weight_files(path) if path is not None else None
+        self._skeleton = None
+
+    @property
+    def tied_tail(self) -> bool:
+        """Whether the tail's lm_head is the stored embedding (tied and not stored on its own)."""
+        return bool(getattr(self.config, "tie_word_embeddings", False)) and (
+            self._files is not None and "lm_head.weight" not in self._files
+        )
+
+    def _meta_model(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):  # shapes only: no memory, no init
+            return AutoModelForCausalLM.from_config(self.config, attn_implementation="sdpa")
+
+    @property
+    def skeleton(self) -> torch.nn.Module:
+        """The model's modules with every parameter's shape, for stage ranges and memory estimates."""
+        if self.model is not None:
+            return self.model
+        if self._skeleton is None:
+            self._skeleton = self._meta_model()
+        return self._skeleton
+
+    def tokenizer(self):
+        if self.path is None:
+            return self._tok
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(str(self.path))
+        except Exception:  # a checkpoint without a tokenizer trains on bytes (node.data.ByteTokenizer)
+            return None
+
+    def config_hash(self) -> str:
+        return config_digest(self.config)
+
+    def _owned(self, ranges: list[list[int]], index: int) -> dict[str, list[str]]:
+        names = self._files if self._files is not None else self.model.state_dict()
+        owned = {}
+        for name in names:
+            inside = stage_names(name, ranges, self.tied_tail).get(index)
+            if inside:
+                owned[name] = inside
+        return owned
+
+    def stage_hash(self, ranges: list[list[int]], index: int) -> str:
+        """Hash of the config, the stage's range and its tensors as stored (bytes, dtype, shape)."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"{self.config_hash()}:{index}:{ranges[index][0]}:{ranges[index][1]}".encode())
+        owned = sorted(self._owned(ranges, index))
+        if self._files is None:
+            state = self.model.state_dict()
+            for name in owned:
+                t = state[name].detach().contiguous()
+                h.update(f"{name}:{t.dtype}:{list(t.shape)}".encode())
+                h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            return h.hexdigest()
+        headers: dict[Path, tuple[dict, int]] = {}
+        for name in owned:
+            file = self._files[name]
+            if file not in headers:
+                headers[file] = _safetensors_header(file)
+            entry, base = headers[file][0][name], headers[file][1]
+            if entry["dtype"] not in _SAFETENSORS_DTYPES:
+                raise ModelError(f"{file.name}: tensor {name} has unsupported dtype {entry['dtype']}")
+            h.update(f"{name}:{entry['dtype']}:{entry['shape']}".encode())
+            start, end = entry["data_offsets"]
+            with open(file, "rb") as f:  # streamed: a tensor never sits in memory whole
+                f.seek(base + start)
+                left = end - start
+                while left:
+                    chunk = f.read(min(left, 1 << 24))
+                    if not chunk:
+                        raise ModelError(f"{file} is truncated; download the checkpoint again")
+                    h.update(chunk)
+                    left -= len(chunk)
+        return h.hexdigest()
+
+    def run_hashes(self, ranges: list[list[int]]) -> tuple[str, list[str]]:
+        """(model hash, stage hashes) a new run publishes: every stage hashed, one at a time."""
+        stage_hashes = [self.stage_hash(ranges, i) for i in range(len(ranges))]
+        return combine_hashes(self.config_hash(), stage_hashes), stage_hashes
+
+    def load_stage(
+        self, ranges: list[list[int]], index: int, device: torch.device, dtype: torch.dtype | None = None
+    ):
+        """Stage ``index`` of ``ranges`` on ``device``, with only its own weights (dtype ``weight_dtype``)."""
+        from node.stages import Stage, build_stage
+
+        dtype = dtype or weight_dtype(device)
+        if self._files is None:  # the stage shares the source's tensors: one process serves one stage
+            start, end = ranges[index]
+            stage = Stage(self.model, start, end, is_head=index == 0, is_tail=index == len(ranges) - 1)
+            stage = stage.to(device)
+            for p in stage.parameters():
+                p.data = p.data.to(dtype)  # parameters only: rotary buffers stay fp32
+            return stage
+        from safetensors import safe_open
+
+        stage = build_stage(self._meta_model(), ranges, index)
+        by_file: dict[Path, dict[str, list[str]]] = {}
+        for name, inside in self._owned(ranges, index).items():
+            by_file.setdefault(self._files[name], {})[name] = inside
+        state = {}
+        for file, names in sorted(by_file.items()):
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name, inside in names.items():
+                    t = f.get_tensor(name).to(device=device, dtype=dtype)
+                    for n in inside:
+                        state[n] = t
+        missing = sorted(set(stage.state_dict()) - set(state))
+        if missing:
+            raise ModelError(
+                f"{self.path} lacks tensors of stage {index}: {missing[:3]}; the checkpoint is incomplete"
+            )
+        stage.load_state_dict(state, strict=True, assign=True)
+        if stage.is_head and stage.is_tail and getattr(self.config, "tie_word_embeddings", False):
+            stage.lm_head.weight = stage.embed_tokens.weight  # one tensor, as in the whole model
+        # rotary frequencies are computed, not stored: build them for real on the device
+        stage.rotary_emb = type(stage.rotary_emb)(config=self.config).to(device)
+        left = [n for n, t in [*stage.named_parameters(), *stage.named_buffers()] if t.is_meta]
+        if left:
+            raise ModelError(f"stage {index} of {self.path} has tensors no checkpoint file fills: {left[:3]}")
+        return stage.train(False)
+
+    def load_whole(self) -> torch.nn.Module:
+        """The whole model in fp32 on the CPU: the run's starter calibrates link bases through it."""
+        if self.model is not None:
+            return self.model
+        from transformers import AutoModelForCausalLM
+
+        m = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32, attn_implementation="sdpa")
+        return m.eval()
+
+
+def open_model(model: str, seed: int = 0) -> ModelSource:
+    """The source ``--model`` names: only its config is read for a checkpoint (bundled, Hub id, path)."""
+    if model == "emulate" or model.startswith("emulate:") or model == TINY or model.startswith("tiny:"):
+        m, _, name = load_model(model, seed=seed)
+        return ModelSource(name, m.config, model=m)
+    from transformers import AutoConfig
+
+    path = resolve_model_path(model)
+    if not Path(path, "config.json").exists():
+        raise ModelError(
+            f"{path} is not a Hugging Face checkpoint directory (no config.json); "
+            "pass --model bundled, a Hub id (owner/name) or a local Llama-family checkpoint"
+        )
+    config = AutoConfig.from_pretrained(path)
+    _check_model_type(config)
+    config._attn_implementation = "sdpa"
+    return ModelSource(_display_name(model, path), config, path=Path(path))
+
+
+def open_pretrain_model(model: str, seed: int, subspace_k: int = 0) -> ModelSource:
+    """``--mode pretrain``'s fresh model (``load_pretrain_model``), behind the same source interface."""
+    m, tok, name = load_pretrain_model(model, seed=seed, subspace_k=subspace_k)
+    return ModelSource(name, m.config, model=m, tok=tok)

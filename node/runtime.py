@@ -43,7 +43,7 @@ from node.checkpoint import CheckpointError, checkpoint_dir, clone_state, save_c
 from node.config import NodeConfig
 from node.health import write_health
 from node.links import Link
-from node.membership import read_stage_records, store_stage_record
+from node.membership import EmptyStageBackoff, read_stage_records, store_stage_record
 from node.routing import choose_peer
 from node.stages import IGNORE_INDEX, Stage
 from node.transport import close_quietly
@@ -232,6 +232,7 @@ class StageRuntime:
         self.device = device or torch.device("cpu")
         self.metrics = Metrics()
         self.gate = StepGate(cfg.max_inflight)
+        self.empty_downstream = EmptyStageBackoff()  # head: a next stage with no live peer
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.rng = random.Random(zlib.crc32(peer_id.encode()) ^ cfg.seed)
         self.routes: list[dict[str, StageRecord]] = [{} for _ in range(self.n_stages)]
@@ -743,13 +744,19 @@ class StageRuntime:
             _, meta = await self._run_rest(ids, labels, self.inner_step, mb, [], tokens)
         except HopFailed as e:
             self.metrics.dropped += 1
-            log.warning("dropped microbatch %x: %s", mb, e)
             # holding the slot a moment keeps a head whose downstream stage has no live peer from
             # drawing, computing and dropping microbatches as fast as it can (hundreds a minute)
-            await asyncio.sleep(DROP_BACKOFF_S)
+            if "no live peer" in str(e):  # an empty stage: one clear line, then back-off (stop cuts it)
+                hold = self.empty_downstream.dropped(str(e), DROP_BACKOFF_S)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), hold)
+            else:
+                log.warning("dropped microbatch %x: %s", mb, e)
+                await asyncio.sleep(DROP_BACKOFF_S)
             return
         finally:
             await self.gate.exit()
+        self.empty_downstream.served()
         loss = float(meta["loss"]) if "loss" in meta else None
         await self._account(tokens, loss, int(meta.get("tokens", 0)))
 

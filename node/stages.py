@@ -107,8 +107,20 @@ class Stage(nn.Module):
         loss = nn.functional.cross_entropy(logits.float(), target[sel], reduction="sum")
         return loss / max(n, 1), n
 
+    def attention_types(self) -> list[str]:
+        """Each of this stage's layers' attention, as the whole model picks its mask: Qwen2/3 name it
+        per layer (``layer_types``), Mistral slides a window in every layer, Llama attends fully."""
+        types = getattr(self.config, "layer_types", None)
+        if types is None:
+            window = getattr(self.config, "sliding_window", None) is not None
+            types = ["sliding_attention" if window else "full_attention"] * self.config.num_hidden_layers
+        unknown = set(types[self.start : self.end]) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"layers with attention {sorted(unknown)} cannot be split into stages")
+        return list(types[self.start : self.end])
+
     def layers_forward(self, x: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         hidden = self.embed_tokens(x) if self.is_head else x
         b, t = hidden.shape[:2]
@@ -116,11 +128,14 @@ class Stage(nn.Module):
         cos_sin = self.rotary_emb(hidden, pos)
         # Right-padded batches need no padding mask: real tokens never attend to later pads,
         # and pad positions carry no loss.
-        mask = create_causal_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=pos
-        )
-        for layer in self.layers:
-            hidden = layer(hidden, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
+        kw = dict(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=pos)
+        types = self.attention_types()
+        masks = {
+            t: (create_sliding_window_causal_mask if t == "sliding_attention" else create_causal_mask)(**kw)
+            for t in set(types)
+        }
+        for layer, kind in zip(self.layers, types):
+            hidden = layer(hidden, attention_mask=masks[kind], position_ids=pos, position_embeddings=cos_sin)
             if isinstance(hidden, tuple):  # older transformers returned tuples
                 hidden = hidden[0]
         return hidden

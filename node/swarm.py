@@ -1,7 +1,9 @@
 """`python -m node swarm`: N node processes on loopback, one live view, one report.
 
 The first process starts the swarm; each next one joins through it once the previous has
-claimed its stage (so `--stage auto` spreads them deterministically). After the run every
+claimed its stage (so `--stage auto` spreads them deterministically). A node that dies is
+reported and the run goes on while every stage keeps a live node (`--restart-dead` restarts it
+with `--resume`). Nodes die with the launcher, even a SIGKILLed one. After the run every
 node is stopped with SIGTERM (SIGKILL to its process group if it hangs) and the report is
 built from the metrics files the nodes write.
 """
@@ -19,10 +21,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from node.cli import run_arg_flags
+from node.membership import parent_death_signal
 from node.report import build_report, plot_eval, plot_link_rates, plot_loss
 
 READY_TIMEOUT_S = 300.0  # first start may convert the bundled model (~20-40 s on 2 cores)
 STOP_GRACE_S = 60.0
+MAX_RESTARTS = 3  # --restart-dead: a node that keeps dying is given up after this many restarts
 
 
 class SwarmError(RuntimeError):
@@ -98,6 +102,13 @@ def spawn_node(
         (nodedir / stale).unlink(missing_ok=True)
     log = open(nodedir / "node.log", "w")
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    launcher = os.getpid()
+
+    def die_with_launcher() -> None:  # in the child, before exec: a killed launcher stops its nodes
+        parent_death_signal(signal.SIGTERM)
+        if os.getppid() != launcher:  # it died before prctl took effect
+            os._exit(1)
+
     try:
         return subprocess.Popen(
             node_command(args, i, nodedir, run_id, peers, circuit) + list(extra),
@@ -106,6 +117,7 @@ def spawn_node(
             stdin=subprocess.DEVNULL,
             env=full_env,
             start_new_session=True,
+            preexec_fn=die_with_launcher,
         )
     finally:
         log.close()  # the child holds its own copy
@@ -274,7 +286,7 @@ def run_swarm(args) -> int:
             procs.append(proc)
             stages.append(ready["stage"])
             print(f"  node {i} -> stage {ready['stage']} (anchor)", flush=True)
-        status = watch(args, report, procs, t_start, rates)
+        status = watch(args, report, procs, stages, run_id, t_start, rates)
     except KeyboardInterrupt:
         print("interrupted; stopping the swarm", flush=True)
         status = 130
@@ -310,7 +322,8 @@ def run_swarm(args) -> int:
         f"tokens {rep['tokens']}  dropped {rep['dropped_microbatches']}",
         flush=True,
     )
-    if model_line:
+    print(outer_line(rep.get("outer") or {}), flush=True)
+    if model_line:  # the held-out line last: what a demo user looks for
         print(model_line, flush=True)
     return status
 
@@ -412,8 +425,85 @@ def finish_model(args, report: Path, run_id: str, held: list | None, before: dic
     return result, "\n".join(lines)
 
 
+def outer_line(outer: Mapping) -> str:
+    """The demo's last line: whether replicas of a stage averaged, and how far apart they ended."""
+    dist = outer.get("max_replica_distance")
+    return (
+        f"outer rounds {outer.get('rounds', 0)} ({outer.get('skipped', 0)} skipped or alone)  "
+        f"replica distance {'-' if dist is None else f'{dist:.3g}'}"
+    )
+
+
+def _live_peers(report: Path, procs: list[subprocess.Popen], exclude: int) -> list[str]:
+    """Bootstrap addresses of the nodes still alive (a restarted node may have been the first)."""
+    out = []
+    for i, p in enumerate(procs):
+        ready = report / "nodes" / str(i) / "ready.json"
+        if i == exclude or p.poll() is not None or not ready.exists():
+            continue
+        r = json.loads(ready.read_text())
+        a = next((m for m in r["maddrs"] if "127.0.0.1" in m), r["maddrs"][0])
+        out.append(a if "/p2p/" in a else f"{a}/p2p/{r['peer_id']}")
+    return out
+
+
+def _keep_life(report: Path, i: int, life: int) -> None:
+    """Keep a dead node's log and metrics (a restart writes fresh ones) as node.N.log, metrics.N.json."""
+    d = report / "nodes" / str(i)
+    for name, kept in (("node.log", f"node.{life}.log"), ("metrics.json", f"metrics.{life}.json")):
+        if (d / name).exists():
+            os.replace(d / name, d / kept)
+
+
+def handle_deaths(
+    args,
+    report: Path,
+    procs: list[subprocess.Popen],
+    stages: list[int],
+    run_id: str,
+    restarts: dict[int, int],
+) -> None:
+    """Report each node that died since the last look; restart it (``--restart-dead``), or go on
+    while every stage still has a live node. SwarmError when a stage is left with none."""
+    for i, p in enumerate(procs):
+        if p.poll() is None:
+            ready = report / "nodes" / str(i) / "ready.json"
+            if restarts.get(i, 0) > 0 and ready.exists():  # a restart without a checkpoint may move
+                stages[i] = json.loads(ready.read_text())["stage"]
+            continue
+        if restarts.get(i, 0) < 0:  # already reported and given up
+            continue
+        print(
+            f"node {i} (stage {stages[i]}) died (code {p.returncode}); last lines:\n"
+            f"{_tail(report / 'nodes' / str(i) / 'node.log', 3)}",
+            flush=True,
+        )
+        n = restarts.get(i, 0)
+        peers = _live_peers(report, procs, exclude=i)
+        if args.restart_dead and n < MAX_RESTARTS and peers:
+            _keep_life(report, i, n)
+            procs[i] = spawn_node(args, i, report, run_id, peers, extra=["--resume"])
+            restarts[i] = n + 1
+            print(f"  restarting node {i} with --resume ({n + 1}/{MAX_RESTARTS})", flush=True)
+        else:
+            restarts[i] = -1  # reported once; the run goes on without it
+    alive = {st for p, st in zip(procs, stages) if p.poll() is None}
+    empty = sorted(set(range(args.stages)) - alive)
+    if empty:
+        raise SwarmError(
+            f"stage {empty[0]} has no live node left"
+            + ("" if args.restart_dead else "; pass --restart-dead to restart dead nodes with --resume")
+        )
+
+
 def watch(
-    args, report: Path, procs: list[subprocess.Popen], t_start: float, rates: list | None = None
+    args,
+    report: Path,
+    procs: list[subprocess.Popen],
+    stages: list[int],
+    run_id: str,
+    t_start: float,
+    rates: list | None = None,
 ) -> int:
     """Live view until the tail reaches ``args.steps``; appends (time, link bytes) samples to ``rates``."""
     t0 = time.monotonic()
@@ -425,6 +515,7 @@ def watch(
         live = Live(refresh_per_second=2)
         live.start()
     last_print = 0.0
+    restarts: dict[int, int] = {}  # node -> restarts so far; -1 once given up
     try:
         while True:
             metrics = read_metrics(report, len(procs))
@@ -443,12 +534,7 @@ def watch(
                 last_print = time.monotonic()
             if done >= args.steps:
                 return 0
-            dead = [i for i, p in enumerate(procs) if p.poll() is not None]
-            if dead:
-                raise SwarmError(
-                    f"node {dead[0]} exited early (code {procs[dead[0]].returncode}):\n"
-                    f"{_tail(report / 'nodes' / str(dead[0]) / 'node.log')}"
-                )
+            handle_deaths(args, report, procs, stages, run_id, restarts)
             if time.monotonic() - t_start > args.timeout:
                 raise SwarmError(f"the swarm did not reach {args.steps} steps within {args.timeout:.0f}s")
             time.sleep(0.5)

@@ -19,6 +19,9 @@ MAX_FRAME_BYTES = 256 * 1024 * 1024  # a 32 x 2048 x 2048 fp32 activation is 512
 MAX_TENSORS = 16
 MAX_DIMS = 4
 MAX_PATH = 64
+# elements of any declared shape, zero dimensions aside: a (T, H) activation a node could decode
+# (8 GiB of fp32); beyond it torch's own size arithmetic overflows int64 and raises untyped errors
+MAX_ELEMENTS = 2**31
 
 KINDS = ("forward", "backward", "error", "basis", "weights", "anchor", "scape")
 
@@ -169,6 +172,12 @@ def _check_dims(shape, what: str) -> None:
     _expect(
         all(_is_int(x) and 0 <= x < 2**31 for x in shape),
         f"{what}: shape entries must be small ints",
+        ShapeMismatch,
+    )
+    # zeros aside: [2^31-1, 2^31-1, 2^31-1, 0] holds no bytes, but torch cannot even build its view
+    _expect(
+        math.prod(x for x in shape if x) <= MAX_ELEMENTS,
+        f"{what}: shape {shape} has more than {MAX_ELEMENTS} elements",
         ShapeMismatch,
     )
 

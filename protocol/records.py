@@ -10,8 +10,21 @@ from dataclasses import asdict, dataclass, field, fields
 
 from protocol.frames import PROTOCOL_VERSION
 
-HEARTBEAT_S = 2.0
-RECORD_TTL_S = 5 * HEARTBEAT_S  # expires after ~5 missed beats: a beat can queue behind MBs of frames
+HEARTBEAT_S = 2.0  # the default --heartbeat; every DHT lifetime below is a count of beats
+STAGE_RECORD_BEATS = 5  # expires after ~5 missed beats: a beat can queue behind MBs of frames
+# Every live node re-publishes the run record every RUN_RECORD_BEATS // 3 beats, so two missed
+# re-publishes are survived, while a run whose last node left is gone within this many beats.
+RUN_RECORD_BEATS = 30
+
+
+def stage_record_ttl(heartbeat_s: float = HEARTBEAT_S) -> float:
+    """Seconds a stage record lives in the DHT: a peer that stops beating looks gone after it."""
+    return STAGE_RECORD_BEATS * heartbeat_s
+
+
+def run_record_ttl(heartbeat_s: float = HEARTBEAT_S) -> float:
+    """Seconds the run record lives in the DHT unless a live node re-publishes it."""
+    return RUN_RECORD_BEATS * heartbeat_s
 
 
 class RecordError(ValueError):
@@ -87,6 +100,9 @@ class RunRecord:
     batch_tokens: int = 1024  # tokens a node accumulates before its inner optimizer step
     protocol: int = PROTOCOL_VERSION
     key_id: str = ""  # fingerprint of the swarm key frames must be signed with ("" = open swarm)
+    # content hash of each stage's config + tensors as stored; model_hash combines them, so a node
+    # verifies only the stage it serves (node.model.ModelSource.stage_hash)
+    stage_hashes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -127,8 +143,14 @@ class RunRecord:
                 "batch_tokens": int,
                 "protocol": int,
                 "key_id": str,
+                "stage_hashes": list,
             },
         )
+        if rec.stage_hashes and not (
+            len(rec.stage_hashes) == len(rec.stages)
+            and all(isinstance(h, str) and len(h) == 32 for h in rec.stage_hashes)
+        ):
+            raise RecordError("run record stage_hashes must be one 32-character hash per stage")
         if rec.protocol != PROTOCOL_VERSION:
             raise RecordError(
                 f"run speaks protocol {rec.protocol}, this node speaks {PROTOCOL_VERSION}; "

@@ -40,6 +40,7 @@ def run_swarm(report_dir, *args: str, timeout: float = 420, codec: str | None = 
         str(timeout - 60),
     ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    (report_dir / "swarm.out").write_text(p.stdout)  # what the user sees, for tests of the final lines
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     return json.loads((report_dir / "report.json").read_text())
 

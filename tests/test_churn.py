@@ -27,6 +27,8 @@ def test_kill_a_replica_swarm_continues_and_node_rejoins(tmp_path):
             "1e-3",
             "--hop-timeout",
             "10",
+            "--outer-every",
+            "0",  # about churn, not DP: no outer rounds (on by default for replicated stages)
         ]
     )
     run_id = f"churn-{os.getpid()}"

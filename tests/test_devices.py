@@ -1,5 +1,6 @@
 import logging
 
+import pytest
 import torch
 
 from node.config import NodeConfig
@@ -39,3 +40,20 @@ def test_max_memory_limits_the_stages_a_node_claims():
     assert stages_that_fit(NodeConfig(max_memory_gb=0), mem) == {0, 1}
     assert stages_that_fit(NodeConfig(max_memory_gb=2), mem) == {1}
     assert stages_that_fit(NodeConfig(max_memory_gb=0.5), mem) == set()
+
+
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.float32), ("cuda", torch.float32)])
+def test_state_estimate_is_what_adamw_allocates(device, dtype):
+    """Weights, grads and AdamW moments as torch allocates them in the dtype a node loads on that
+    device (counted on the CPU: the bytes, not the device, are checked)."""
+    from node.model import weight_dtype
+
+    assert weight_dtype(torch.device(device)) == dtype
+    lin = torch.nn.Linear(64, 32, bias=False).to(dtype)
+    opt = torch.optim.AdamW(lin.parameters())
+    lin(torch.randn(4, 64, dtype=dtype)).sum().backward()
+    opt.step()
+    moments = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+    used = sum(t.numel() * t.element_size() for t in [lin.weight, lin.weight.grad, *moments])
+    est = stage_memory_bytes(lin.weight.numel(), 1, 64, None, 1, 1, 1, torch.device(device))
+    assert est["states"] == used

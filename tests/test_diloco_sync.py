@@ -75,15 +75,15 @@ def _worker(index: int, sockdir: str, conn) -> None:
 
     threading.Thread(target=watchdog, daemon=True).start()
 
-    from hivemind import DHT
     from hivemind.p2p import P2P
 
     import node.diloco as diloco
+    from node.membership import NodeDHT  # the node's DHT class (survives requests of dead senders)
 
     P2P._UNIX_SOCKET_PREFIX = f"/unix{sockdir}/p{index}-"
     conn.send(("ok", "imported"))
     initial_peers = conn.recv()
-    dht = DHT(initial_peers=initial_peers or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    dht = NodeDHT(initial_peers=initial_peers or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     conn.send(("ok", [str(a) for a in dht.get_visible_maddrs()]))
     syncs: dict[int, diloco.OuterSync] = {}
     params: dict[int, dict[str, torch.nn.Parameter]] = {}

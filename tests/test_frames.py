@@ -141,6 +141,20 @@ def test_huge_declared_shape_allocates_nothing():
         decode_frame(_pack(body))
 
 
+@pytest.mark.parametrize("where", ["tensor", "frame"])
+def test_shape_whose_element_count_overflows_is_refused_typed(where):
+    """A zero-byte tensor declared [2^31-1, 2^31-1, 2^31-1, 0] (a live-node fuzz finding): torch
+    cannot build it, so it must fail as a typed ShapeMismatch, never reach torch."""
+    body = _raw(_frame())
+    huge = [2**31 - 1, 2**31 - 1, 2**31 - 1, 0]
+    if where == "tensor":
+        body["t"]["h"] = {"d": "bfloat16", "s": huge, "b": b""}
+    else:
+        body["shape"] = huge
+    with pytest.raises(ShapeMismatch, match="elements"):
+        decode_frame(_pack(body))
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_values(bad):
     t = torch.zeros(2, 3)

@@ -46,3 +46,40 @@ def test_head_without_downstream_drops_at_a_bounded_rate(monkeypatch):
         rt.ckpt_pool.shutdown(wait=True)
     # 4 slots, each held 0.5 s per drop: at most ~4 * (2.0 / 0.5) + 4 drops in 2 s (was hundreds)
     assert 1 <= rt.metrics.dropped <= 24, rt.metrics.dropped
+
+
+def test_head_says_once_that_the_next_stage_is_empty_and_backs_off(monkeypatch, caplog):
+    """Past the notice time: one line naming the empty stage, then silent drops at a growing interval."""
+    from node import membership
+
+    monkeypatch.setattr(rt_mod, "DROP_BACKOFF_S", 0.2)
+    monkeypatch.setattr(membership, "EMPTY_STAGE_NOTICE_S", 1.0)
+    ranges = [[0, 1], [1, 2]]
+    model = load_model("tiny:2")[0]
+    run = RunRecord(
+        run_id="empty", model_name="tiny", model_hash="x", num_layers=2, hidden=model.config.hidden_size,
+        stages=ranges, codec={"codec": "dense", "wire_dtype": "bfloat16"},
+    )  # fmt: skip
+    cfg = NodeConfig(run_id="empty", hop_timeout=1.0, max_inflight=4)
+    data = microbatches(load_examples("arithmetic"), ByteTokenizer(512), 2, 32, seed=0)
+    rt = StageRuntime(cfg, run, 0, build_stage(model, ranges, 0), None, "QmHead", data)
+
+    async def drive():
+        task = asyncio.create_task(rt.head_loop())
+        await asyncio.sleep(6.0)
+        rt.stop.set()
+        await asyncio.wait_for(task, 10)  # a slot in back-off wakes at stop
+
+    caplog.set_level("INFO", logger="node")
+    try:
+        asyncio.run(drive())
+    finally:
+        rt.pool.shutdown(wait=True)
+        rt.ckpt_pool.shutdown(wait=True)
+    lines = [r.getMessage() for r in caplog.records if "no live peer serves stage 1" in r.getMessage()]
+    notices = [m for m in lines if "holding microbatches back" in m]
+    assert len(notices) == 1, lines
+    # only the drops of the first second are logged one by one, not those after the notice
+    assert len(lines) - 1 < rt.metrics.dropped, (len(lines), rt.metrics.dropped)
+    # a constant 0.2 s hold would drop ~4 * 6 / 0.2 = 120 in 6 s; back-off doubling to 30 s far fewer
+    assert rt.metrics.dropped <= 4 * (1.0 / 0.2 + 1) + 4 * 5, rt.metrics.dropped

@@ -1,8 +1,11 @@
 """join fails fast and in one line when it cannot do its job."""
 
+import re
 import subprocess
 import sys
 import time
+
+import pytest
 
 
 def _join(*args, timeout=120):
@@ -43,26 +46,34 @@ def test_bad_peer_address_is_one_line(tmp_path):
     assert p.stderr.strip().splitlines()[-1].startswith("error:")
 
 
-def test_help_documents_every_flag():
+def _subparsers():
+    import argparse
+
+    from node.cli import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices
+
+
+@pytest.mark.parametrize("cmd", sorted(_subparsers()))
+def test_help_documents_every_flag(cmd):
+    """Every flag the parser accepts has help text and appears, as a whole word, in ``--help``."""
+    import argparse
+
+    flags = [
+        (opt, a.help)
+        for a in _subparsers()[cmd]._actions
+        if a.option_strings and a.dest != "help" and a.help != argparse.SUPPRESS  # internal (swarm's)
+        for opt in a.option_strings
+        if opt.startswith("--")
+    ]
     out = subprocess.run(
-        [sys.executable, "-m", "node", "join", "--help"], capture_output=True, text=True
+        [sys.executable, "-m", "node", cmd, "--help"], capture_output=True, text=True, timeout=60
     ).stdout
-    for flag in (
-        "--peers",
-        "--stage",
-        "--model",
-        "--data",
-        "--host",
-        "--port",
-        "--announce-maddr",
-        "--identity",
-        "--device",
-        "--p2pd-timeout",
-        "--join-timeout",
-        "--hop-timeout",
-        "--max-inflight",
-    ):
-        assert flag in out
+    for flag, text in flags:
+        assert text and text.strip(), f"{cmd} {flag} has no help text"
+        # a whole word: --stage must not pass because --stages is documented
+        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", out), f"{cmd} --help lacks {flag}"
 
 
 def test_stage_that_does_not_fit_is_refused_in_one_line(tmp_path):

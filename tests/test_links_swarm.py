@@ -65,6 +65,16 @@ def runs(tmp_path_factory):
     }
 
 
+def _unigram_entropy() -> float:
+    """Nats per byte of the training text's byte frequencies (the tiny model reads bytes)."""
+    import collections
+    import math
+
+    text = "\n\n".join(PARAGRAPH * 2 for _ in range(50)).encode()
+    counts = collections.Counter(text)
+    return -sum(c / len(text) * math.log(c / len(text)) for c in counts.values())
+
+
 def _bpt(rep):
     return {(lk["boundary"], lk["direction"]): lk["bytes_per_token"] for lk in rep["links"]}
 
@@ -100,7 +110,11 @@ def test_masked_swarm_with_anchors_trains_and_counts_anchor_bytes(runs):
     rep = runs["mask"]
     loss = rep["loss"]
     assert len(loss) >= 12
-    assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3
+    # trained, not noise: an untrained tiny model sits at ln(512) = 6.24 nats; the last three steps
+    # must come within half a nat of the text's unigram entropy (what the tail alone can learn, with
+    # no context through the link; M95 is not expected to beat it: DESIGN.md section 6). Measured: 2.73.
+    assert loss[0] > 5.5, loss
+    assert sum(loss[-3:]) / 3 < _unigram_entropy() + 0.5, loss
     # anchors ran their own dense pipeline and sent gradient factors the fast nodes' filters took
     assert {(lk["boundary"], lk["direction"]) for lk in rep["anchor_links"]} == {
         (0, "forward"),

@@ -59,6 +59,15 @@ def test_replicated_stage_all_replicas_served(swarm_report):
         assert rep["microbatches_per_peer"][peer] > 0, rep["microbatches_per_peer"]
 
 
+def test_replicas_average_by_default(swarm_report):
+    """No --outer-every: the replicated stage runs DiLoCo rounds, and the last lines show them."""
+    rep, out = swarm_report
+    assert rep["outer"]["rounds"] >= 2, rep["outer"]
+    assert rep["outer"]["max_replica_distance"] is not None, rep["outer"]
+    last = (out / "swarm.out").read_text().strip().splitlines()[-1]
+    assert "outer rounds" in last and "replica distance" in last and "replica distance -" not in last, last
+
+
 def test_links_counted_where_frames_are_written(swarm_report):
     rep, _ = swarm_report
     by_dir = {(lk["boundary"], lk["direction"]): lk for lk in rep["links"]}
