@@ -9,7 +9,8 @@
 
 Transport: each matrix gradient travels as rank-r factors (U·diag(s), V) in bf16, from a
 randomized SVD: the filter only uses the leading subspace, so r(m+n) numbers stand in for
-mn. Weights travel in bf16, in frames of at most ``MAX_TENSORS`` tensors.
+mn. Weights travel in bf16 (fp32 with a sha256 digest when ``node export`` asks), in frames of
+at most ``MAX_TENSORS`` tensors.
 
 The parts here get the stage's shared context (``node.context.StageContext``: run, stage,
 routes, transport, compute thread), never the runtime; a ``StageRuntime`` offers the same
@@ -19,6 +20,7 @@ attributes, so ``pull_weights(runtime)`` works too.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 
 import torch
@@ -86,16 +88,20 @@ class WeightServer:
             req = decode_frame(await rt.wire.recv(reader, 4096, rt.cfg.hop_timeout), run_id=rt.run.run_id)
             if req.kind != "weights":
                 raise FrameError("expected a weights request")
-            step, named = await rt.compute(self._snapshot)
+            # export asks for the exact fp32 weights and a digest; joiners and anchors get bf16
+            exact = req.meta.get("dtype") == "float32"
+            step, named = await rt.compute(self._snapshot, torch.float32 if exact else torch.bfloat16)
+            digest = await asyncio.to_thread(weights_digest, named) if exact else ""  # off the event loop
             groups = chunks(sorted(named.items()), MAX_TENSORS)
             for i, group in enumerate(groups):
+                last = i == len(groups) - 1
                 data = encode_frame(
                     Frame(
                         kind="weights",
                         run_id=rt.run.run_id,
                         step=step,
                         tensors=dict(group),
-                        meta={"last": int(i == len(groups) - 1)},
+                        meta={"last": 1, "digest": digest} if last else {"last": 0},
                     )
                 )
                 self.bytes_served += len(data)
@@ -105,10 +111,20 @@ class WeightServer:
         finally:
             close_quietly(writer)
 
-    def _snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
+    def _snapshot(self, dtype: torch.dtype = torch.bfloat16) -> tuple[int, dict[str, torch.Tensor]]:
         return self.rt.inner_step, {
-            n: p.detach().to(torch.bfloat16).cpu().clone() for n, p in self.rt.stage.named_parameters()
+            n: p.detach().to(dtype).cpu().clone() for n, p in self.rt.stage.named_parameters()
         }
+
+
+def weights_digest(named: dict[str, torch.Tensor]) -> str:
+    """sha256 over the names, dtypes, shapes and bytes of a weight snapshot (sent with its last frame)."""
+    h = hashlib.sha256()
+    for name, t in sorted(named.items()):
+        h.update(f"{name}|{str(t.dtype)}|{list(t.shape)}|".encode())
+        raw = t.detach().contiguous().cpu()
+        h.update(raw.reshape(-1).view(torch.uint8).numpy().tobytes() if raw.numel() else b"")
+    return h.hexdigest()
 
 
 class PacketSink:

@@ -501,6 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="restart a node that dies with --resume (its checkpoint, then the stage's current "
         "weights); without it the run goes on while every stage keeps a live node",
     )
+    add_swarm_model_out_args(s)
 
     st = sub.add_parser("status", help="print a swarm's run, stages and peers from the DHT")
     st.add_argument("--peers", nargs="+", required=True, help="multiaddr(s) of any peer in the swarm")
@@ -522,7 +523,124 @@ def build_parser() -> argparse.ArgumentParser:
 
     k = sub.add_parser("keygen", help="create a swarm key file (32 random bytes, mode 0600)")
     k.add_argument("path", help="where to write the key")
+    add_model_out_commands(sub)
     return p
+
+
+# ---------------------------------------------------------------------- export / eval / generate
+
+
+def add_model_out_commands(sub) -> None:
+    """`export`, `eval`, `generate`: the trained model leaves the swarm (node/export.py, node/evaluate.py)."""
+    e = sub.add_parser(
+        "export",
+        help="write the swarm's model as one Hugging Face checkpoint, from live peers or checkpoints",
+    )
+    e.add_argument("--out", required=True, help="directory to create (written elsewhere, then renamed)")
+    src = e.add_mutually_exclusive_group(required=True)
+    src.add_argument("--peers", nargs="+", help="multiaddr(s) of any peer: pull every stage from a live peer")
+    src.add_argument(
+        "--checkpoints",
+        nargs="+",
+        metavar="DIR",
+        help="nodes' state or checkpoint directories: assemble offline from their newest checkpoints",
+    )
+    e.add_argument("--run-id", default=None, help="the run (default: 'default' with --peers; the one found)")
+    e.add_argument("--swarm-key", default=None, help="the swarm's key file, when it has one (--peers)")
+    e.add_argument(
+        "--model",
+        default=None,
+        help="the run's base model (bundled, tiny[:L[:H]] or a directory); default: from the run record "
+        "(--peers) or bundled (--checkpoints)",
+    )
+    e.add_argument("--seed", type=int, default=0, help="--checkpoints of a tiny model: its run seed")
+    e.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds per network wait (default: %(default)s)"
+    )
+    e.add_argument("--force", action="store_true", help="replace --out if it exists")
+    for name, helptext in (
+        ("eval", "eval loss and greedy exact match of a model on prompt/completion data"),
+        ("generate", "print a model's greedy completion of a prompt"),
+    ):
+        g = sub.add_parser(name, help=helptext)
+        g.add_argument(
+            "--model", required=True, help="an exported directory, any local HF checkpoint, or bundled"
+        )
+        if name == "eval":
+            g.add_argument(
+                "--data", required=True, help="arithmetic, or a .jsonl of {prompt, completion}/{text}"
+            )
+            g.add_argument("--limit", type=int, default=0, help="score the first N examples only; 0 = all")
+        else:
+            g.add_argument("--prompt", required=True, help="the text to continue")
+        g.add_argument(
+            "--max-new-tokens", type=int, default=32, help="generation budget (default: %(default)s)"
+        )
+        g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+        g.add_argument("--seed", type=int, default=0, help="built-in data / tiny models: seed (default: 0)")
+
+
+def add_swarm_model_out_args(s: argparse.ArgumentParser) -> None:
+    s.add_argument(
+        "--eval",
+        type=int,
+        default=0,
+        metavar="N",
+        help="hold out N problems of --data (never trained on), score them before training and after "
+        "the last step (default: off)",
+    )
+    s.add_argument(
+        "--export", default=None, metavar="DIR", help="write the trained model to DIR at the end (HF format)"
+    )
+
+
+def run_model_out_command(args) -> int:
+    if args.cmd == "eval":
+        from node.evaluate import run_eval
+
+        return run_eval(args)
+    if args.cmd == "generate":
+        from node.evaluate import run_generate
+
+        return run_generate(args)
+    from node.export import ExportError, export_from_checkpoints, export_from_peers
+
+    try:
+        if args.peers:
+            done = export_from_peers(
+                args.out,
+                args.peers,
+                args.run_id or "default",
+                args.swarm_key,
+                args.model,
+                args.timeout,
+                replace=args.force,
+            )
+        else:
+            done = export_from_checkpoints(
+                args.out,
+                args.checkpoints,
+                args.run_id,
+                args.model or "bundled",
+                args.seed,
+                replace=args.force,
+            )
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(describe_export(done.info, args.out))
+    return 0
+
+
+def describe_export(info: dict, out: str) -> str:
+    steps = ", ".join(f"stage {s['index']} step {s['inner_step']}" for s in info["stages"])
+    line = f"exported run {info['run_id']} to {out} ({steps})"
+    if info["embeddings"] == "untied":
+        line += (
+            "\nthe head's and the tail's copies of the tied embedding differ after training: "
+            "exported untied (tie_word_embeddings=False), as the swarm computes"
+        )
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -565,6 +683,8 @@ def main(argv: list[str] | None = None) -> int:
             key = make_swarm_key(args.path)
             print(f"swarm key {key_id(key)} written to {args.path}; give it to every node as --swarm-key")
             return 0
+        if args.cmd in ("export", "eval", "generate"):
+            return run_model_out_command(args)
         if args.cmd == "prepare-model":
             from node.model import prepare_bundled
 

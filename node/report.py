@@ -165,3 +165,60 @@ def plot_loss(loss: list[float], path: Path, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def link_rates(samples: list[tuple[float, dict[str, int]]]) -> dict[str, list[tuple[float, float]]]:
+    """Per link ("boundary direction"), bytes/s between consecutive (seconds, cumulative bytes) samples."""
+    out: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for (t0, a), (t1, b) in zip(samples, samples[1:]):
+        for link in b:
+            if t1 > t0:
+                out[link].append(((t0 + t1) / 2, (b[link] - a.get(link, 0)) / (t1 - t0)))
+    return dict(out)
+
+
+def plot_link_rates(samples: list[tuple[float, dict[str, int]]], path: Path) -> None:
+    """Bytes per second on each pipeline link over the run (fast circuit, both directions)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    for link, pts in sorted(link_rates(samples).items()):
+        b, d = link.split()
+        ax.plot([t for t, _ in pts], [r / 1e3 for _, r in pts], lw=1.2, label=f"boundary {b} {d}")
+    ax.set_xlabel("seconds since the swarm started training")
+    ax.set_ylabel("kB/s")
+    ax.set_title("bytes per second on each link", fontsize=9)
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_eval(ev: dict, path: Path) -> None:
+    """Held-out exact match and loss, before training and after the last step (``swarm --eval``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if "loss_before" not in ev:
+        return
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(6, 3), dpi=120)
+    labels = ["before", "after"]
+    em = [ev["em_before"] or 0.0, ev["em_after"] or 0.0]
+    a1.bar(labels, em, color=["#999", "#2a7"])
+    a1.set_ylim(0, 1)
+    a1.set_title(f"exact match, {ev['n']} held-out", fontsize=9)
+    a2.bar(labels, [ev["loss_before"], ev["loss_after"]], color=["#999", "#27a"])
+    a2.set_title("held-out loss", fontsize=9)
+    for ax, vals in ((a1, em), (a2, [ev["loss_before"], ev["loss_after"]])):
+        for i, v in enumerate(vals):
+            ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

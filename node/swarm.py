@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from node.membership import parent_death_signal
-from node.report import build_report, plot_loss
+from node.report import build_report, plot_eval, plot_link_rates, plot_loss
 
 READY_TIMEOUT_S = 300.0  # first start may convert the bundled model (~20-40 s on 2 cores)
 STOP_GRACE_S = 60.0
@@ -234,6 +234,14 @@ def _table(metrics: list[dict], steps: int, n_stages: int, t0: float):
     return table
 
 
+def link_totals(metrics: list[dict]) -> dict[str, int]:
+    """Bytes each link has carried so far, "boundary direction" -> bytes (fast circuit)."""
+    from node.report import sum_links
+
+    fast = [m for m in metrics if m.get("circuit", "fast") == "fast"]
+    return {f"{lk['boundary']} {lk['direction']}": lk["bytes"] for lk in sum_links(fast)}
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -251,7 +259,11 @@ def run_swarm(args) -> int:
     stages: list[int] = []
     t_start = time.monotonic()
     status = 0
+    held = before = None
+    rates: list[tuple[float, dict]] = []
     try:
+        if args.eval:
+            held, before = prepare_eval(args, report)  # also points args.data at the training split
         print(
             f"starting {args.nodes} nodes ({args.stages} stages, {args.model}) - logs in {report}/nodes",
             flush=True,
@@ -273,7 +285,7 @@ def run_swarm(args) -> int:
             procs.append(proc)
             stages.append(ready["stage"])
             print(f"  node {i} -> stage {ready['stage']} (anchor)", flush=True)
-        status = watch(args, report, procs, stages, run_id, t_start)
+        status = watch(args, report, procs, stages, run_id, t_start, rates)
     except KeyboardInterrupt:
         print("interrupted; stopping the swarm", flush=True)
         status = 130
@@ -291,6 +303,13 @@ def run_swarm(args) -> int:
         codec=args.codec,
         elapsed_s=time.monotonic() - t_start,
     )
+    model_line = ""
+    if status == 0 and (args.eval or args.export):
+        rep["eval"], model_line = finish_model(args, report, run_id, held, before)
+    rep["link_rates"] = rates
+    plot_link_rates(rates, report / "links.png")
+    if rep.get("eval"):
+        plot_eval(rep["eval"], report / "eval.png")
     (report / "report.json").write_text(json.dumps(rep, indent=1))
     if rep["loss"]:
         plot_loss(
@@ -303,7 +322,106 @@ def run_swarm(args) -> int:
         flush=True,
     )
     print(outer_line(rep.get("outer") or {}), flush=True)
+    if model_line:  # the held-out line last: what a demo user looks for
+        print(model_line, flush=True)
     return status
+
+
+# ---------------------------------------------------------------------- --eval / --export
+
+
+def prepare_eval(args, report: Path) -> tuple[list, dict]:
+    """Hold out ``args.eval`` problems of the run's data, train on the rest, score the base model.
+
+    The nodes get ``--data report/data/train.jsonl``: the held-out prompts are not in it, so
+    the head can never draw them (``split_heldout`` removes every copy of a held-out prompt).
+    """
+    from node.data import DataError, load_examples
+    from node.evaluate import (
+        EvalError,
+        completion_budget,
+        evaluate,
+        load_for_eval,
+        split_heldout,
+        write_jsonl,
+    )
+
+    if args.mode != "finetune":
+        raise SwarmError("--eval and --export apply to fine-tuning runs (--mode finetune)")
+    try:
+        held, train = split_heldout(load_examples(args.data, seed=args.seed), args.eval, args.seed)
+    except (DataError, EvalError) as e:
+        raise SwarmError(str(e)) from None
+    data = report / "data"
+    data.mkdir(exist_ok=True)
+    write_jsonl(held, data / "heldout.jsonl")
+    write_jsonl(train, data / "train.jsonl")
+    args.data = str((data / "train.jsonl").absolute())
+    model, tok = load_for_eval(args.model, args.device, args.seed)
+    t0 = time.monotonic()
+    before = evaluate(model, tok, held, completion_budget(tok, held))
+    print(
+        f"held out {len(held)} problems (trained on the other {len(train)} examples); before training: "
+        f"loss {before['loss']:.3f}, exact match {_em(before['em'])} ({time.monotonic() - t0:.0f}s)",
+        flush=True,
+    )
+    return held, before
+
+
+def _em(em: float | None) -> str:
+    return "n/a" if em is None else f"{em:.2f}"
+
+
+def finish_model(args, report: Path, run_id: str, held: list | None, before: dict | None) -> tuple[dict, str]:
+    """Export from the nodes' final checkpoints, then score the exported model on the held-out set.
+
+    From checkpoints rather than live peers: the nodes keep training until they are stopped,
+    so stages pulled one after the other would each be caught mid-run, while the checkpoint
+    every node writes on SIGTERM (head first, after its in-flight microbatches) holds its
+    stage after the last step it took, which nothing changes afterwards. (Stages step on
+    their own token counts, so their inner steps may differ; ``stages`` in the result says.)
+    """
+    import shutil
+    import tempfile
+
+    from node.evaluate import completion_budget, evaluate, load_for_eval
+    from node.export import ExportError, export_from_checkpoints
+
+    out = (
+        Path(args.export) if args.export else Path(tempfile.mkdtemp(dir=report, prefix=".eval-model-")) / "m"
+    )
+    try:
+        done = export_from_checkpoints(
+            out, [str(report / "nodes")], run_id, args.model, args.seed, replace=True
+        )
+    except ExportError as e:
+        return {"error": str(e)}, f"export failed: {e}"
+    result: dict = {"export": str(out) if args.export else None, "stages": done.info["stages"]}
+    lines = [f"exported to {out}"] if args.export else []
+    if done.info["embeddings"] == "untied":
+        lines.append("the head's and tail's embedding copies differ: exported untied, as the swarm computes")
+    if args.export:
+        # a bash $'...' string, so the prompt's newline survives a copy-paste
+        prompt = (held[0].prompt if held else "Hello").replace("\\", "\\\\").replace("'", "\\'")
+        prompt = prompt.replace("\n", "\\n")
+        lines.append(f"talk to it: python -m node generate --model {out} --prompt $'{prompt}'")
+    if held:
+        model, tok = load_for_eval(str(out), args.device)
+        after = evaluate(model, tok, held, completion_budget(tok, held))
+        result.update(
+            n=len(held),
+            loss_before=before["loss"],
+            loss_after=after["loss"],
+            em_before=before["em"],
+            em_after=after["em"],
+        )
+        lines.append(
+            f"exact match on {len(held)} held-out problems: {_em(before['em'])} -> {_em(after['em'])}  "
+            f"(loss {before['loss']:.3f} -> {after['loss']:.3f})"
+        )
+    if not args.export:
+        shutil.rmtree(out.parent, ignore_errors=True)
+    return result, "\n".join(lines)
 
 
 def outer_line(outer: Mapping) -> str:
@@ -384,7 +502,9 @@ def watch(
     stages: list[int],
     run_id: str,
     t_start: float,
+    rates: list | None = None,
 ) -> int:
+    """Live view until the tail reaches ``args.steps``; appends (time, link bytes) samples to ``rates``."""
     t0 = time.monotonic()
     interactive = sys.stdout.isatty()
     live = None
@@ -399,6 +519,8 @@ def watch(
         while True:
             metrics = read_metrics(report, len(procs))
             done = tail_steps(metrics, args.stages)
+            if rates is not None and metrics and (not rates or time.monotonic() - t0 - rates[-1][0] >= 2.0):
+                rates.append((time.monotonic() - t0, link_totals(metrics)))
             if live is not None and metrics:
                 live.update(_table(metrics, args.steps, args.stages, t0))
             elif time.monotonic() - last_print > 10 and metrics:
