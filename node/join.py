@@ -15,7 +15,7 @@ import zlib
 
 import torch
 
-from node.basis import BASIS_VERSION, BasisStore, calibrate
+from node.basis import BASIS_VERSION, BasisStore, BasisUnavailable, calibrate
 from node.checkpoint import newest_for_run
 from node.config import NodeConfig
 from node.data import ByteTokenizer, as_plain_text, load_examples, microbatches
@@ -351,7 +351,7 @@ def run_join(cfg: NodeConfig) -> int:
             asyncio.run(main())
         log.info("stopped after %d inner steps", runtime.inner_step)
         return 0
-    except JoinError as e:
+    except (JoinError, BasisUnavailable) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:

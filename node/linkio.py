@@ -7,6 +7,10 @@ are cheap and run where the frame arrives.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+
 import torch
 
 from compression.codec import LinkCodec, LinkContext
@@ -27,6 +31,12 @@ from protocol.frames import (
     unpack_labels,
 )
 from protocol.records import RunRecord
+
+log = logging.getLogger("node")
+
+
+BASIS_WAIT_S = 180.0  # the starter calibrates every boundary before it announces a basis
+BASIS_POLL_S = 2.0
 
 
 class LinkError(RuntimeError):
@@ -155,14 +165,26 @@ class LinkIO:
         if self.bases is not None and not codec.holds_basis(frame.basis_version):
             await self.bases.fetch(frame.boundary, frame.basis_version, codec)
 
-    async def install_bases(self) -> None:
-        """Basis codecs: get the newest basis of both links before serving (the sender needs it)."""
+    async def install_bases(self, wait_s: float = BASIS_WAIT_S) -> None:
+        """Basis codecs: get the newest basis of both links before serving (the sender needs it).
+
+        A node that joins while the run's starter is still calibrating (~40 s for the bundled model
+        on a CPU, after it printed the join command) finds no basis yet: it waits, saying so."""
         for boundary, link in ((self.index - 1, self.link_in), (self.index, self.link_out)):
             if link is None or not link.needs_basis:
                 continue
-            version = await self.bases.latest_version(boundary)
-            if version is None:
-                raise BasisUnavailable(f"no peer announces a basis for boundary {boundary}")
+            deadline, said = time.monotonic() + wait_s, False
+            while (version := await self.bases.latest_version(boundary)) is None:
+                if time.monotonic() > deadline:
+                    raise BasisUnavailable(
+                        f"no peer announces a basis for boundary {boundary} after {wait_s:.0f}s; is the "
+                        "run's first node still running?"
+                    )
+                if not said:
+                    log.info("waiting for the basis of boundary %d (the run's starter may be calibrating)",
+                             boundary)
+                    said = True
+                await asyncio.sleep(BASIS_POLL_S)
             await self.bases.fetch(boundary, version, link.main)
 
 
