@@ -164,9 +164,9 @@ class ScapeSync:
             self._check_step(sender, frame.step)
             cond = self._condition()
             async with cond:
-                if frame.step + _KEEP_STEPS >= rt.inner_step:
-                    self._store(sender, phase, frame)
+                self._store(sender, phase, frame)
                 cond.notify_all()
+            rt.wire.bans.record_good(sender)
         except Exception as e:
             self.refused += 1
             rt.metrics.refused_messages += 1
@@ -199,6 +199,8 @@ class ScapeSync:
     def _store(self, sender: str, phase: str, frame: Frame) -> None:
         """Keep ``frame`` unless the sender's frames already held would pass its byte budget."""
         key = (phase, frame.step)
+        for k in [k for k in self.inbox if k[1] < self.rt.inner_step - _KEEP_STEPS]:
+            del self.inbox[k]
         size = _frame_bytes(frame)
         held = sum(_frame_bytes(got[sender]) for k, got in self.inbox.items() if k != key and sender in got)
         if held + size > self.inbox_bytes_per_peer:
