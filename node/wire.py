@@ -53,11 +53,11 @@ class Wire:
     async def recv(
         self, reader: asyncio.StreamReader, max_bytes: int, timeout: float, idle: float | None = None
     ) -> bytes:
-        """One message; with ``idle``, the deadline is on inactivity (no byte for ``idle`` s), not on
-        the whole message (``timeout`` is then unused)."""
+        """One message; with ``idle``, the deadline is on inactivity (no byte for ``min(idle, timeout)``
+        seconds: never longer than the caller's deadline), not on the whole message."""
         if idle is None:
             return self.open(await read_message(reader, max_bytes + self.overhead, timeout))
-        return self.open(await _read_active(reader, max_bytes + self.overhead, idle))
+        return self.open(await _read_active(reader, max_bytes + self.overhead, min(idle, timeout)))
 
 
 async def _read_active(reader: asyncio.StreamReader, max_bytes: int, idle: float) -> bytes:
