@@ -7,8 +7,8 @@ the stream is closed, *before* this node's optimizer step (``after_reply``): a s
 AdamW, an outer round, a SCAPE exchange, a checkpoint) never delays the stages upstream.
 
 What a flood costs: a peer gets at most ``MAX_STREAMS_PER_PEER`` streams served at once; the
-rest are answered ``busy`` at once, unread, and counted (``metrics.shed_streams``), so one
-peer cannot fill the transport's accept queue with streams the node would drop silently. A
+rest are answered ``busy`` (their frame read and thrown away, or the stream resets and the
+reply is lost) and counted (``metrics.shed_streams``), so a flood is answered, not dropped. A
 stream that sends no byte for ``IDLE_S`` seconds is closed with a ``busy`` that names the
 deadline (``metrics.idle_streams``), so held streams cost little.
 """
@@ -25,7 +25,7 @@ from node.context import StageContext
 from node.hop import HopFailed
 from node.step import Busy
 from node.transport import close_quietly
-from node.wire import IDLE_S, Idle, Unauthorized
+from node.wire import IDLE_S, Idle, Unauthorized, skip_message
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, encode_frame, error_frame
 
 log = logging.getLogger("node")
@@ -75,7 +75,7 @@ class ForwardServer:
     async def handle_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         peer = str(stream_info.peer_id)
         if self._per_peer.get(peer, 0) >= MAX_STREAMS_PER_PEER:
-            await self._shed(peer, writer)
+            await self._shed(peer, reader, writer)
             return
         self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
         self.active += 1
@@ -90,8 +90,8 @@ class ForwardServer:
             if not self.active:
                 self._idle.set()
 
-    async def _shed(self, peer: str, writer: asyncio.StreamWriter) -> None:
-        """Answer a stream over the peer's bound with ``busy``, without reading it."""
+    async def _shed(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Answer a stream over the peer's bound with ``busy``, its frame read but never kept."""
         ctx = self.ctx
         ctx.metrics.shed_streams += 1
         now = time.monotonic()
@@ -107,7 +107,12 @@ class ForwardServer:
             )
         msg = f"over {MAX_STREAMS_PER_PEER} concurrent streams from this peer; try another replica"
         reply = encode_frame(_error(ctx.run.run_id, "busy", msg))
+        idle = min(IDLE_S, ctx.cfg.hop_timeout)
         try:
+            try:
+                await skip_message(reader, MAX_FRAME_BYTES + ctx.wire.overhead, idle)
+            except (FrameError, Idle):  # a cut or stalled frame still gets the same answer
+                pass
             await ctx.wire.send(writer, reply, ctx.cfg.hop_timeout)
         except Exception as e:  # the flooder went away
             log.debug("shed stream ended: %s", e)

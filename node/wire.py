@@ -60,6 +60,16 @@ class Wire:
         return self.open(await _read_active(reader, max_bytes + self.overhead, min(idle, timeout)))
 
 
+async def skip_message(reader: asyncio.StreamReader, max_bytes: int, idle: float) -> None:
+    """Read one message and throw it away, holding at most a chunk of it: closing a stream with
+    unread bytes resets it, and the reply written before would be lost with it."""
+    n = int.from_bytes(await _read_some(reader, HEADER_LEN, idle, exact=True), "big")
+    if n > max_bytes:
+        raise FrameTooLarge(f"declared message of {n} bytes exceeds the {max_bytes}-byte limit")
+    while n > 0:
+        n -= len(await _read_some(reader, min(n, _CHUNK), idle))
+
+
 async def _read_active(reader: asyncio.StreamReader, max_bytes: int, idle: float) -> bytes:
     header = await _read_some(reader, HEADER_LEN, idle, exact=True)
     n = int.from_bytes(header, "big")
@@ -83,4 +93,4 @@ async def _read_some(reader: asyncio.StreamReader, n: int, idle: float, exact: b
     return chunk
 
 
-__all__ = ["IDLE_S", "Idle", "Wire", "Unauthorized"]
+__all__ = ["IDLE_S", "Idle", "Wire", "Unauthorized", "skip_message"]

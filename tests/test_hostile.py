@@ -163,17 +163,22 @@ def test_streams_over_the_per_peer_bound_get_busy_and_are_counted(rt, loop, capl
 
     async def main():
         shed0 = rt.metrics.shed_streams
-        readers = [asyncio.StreamReader() for _ in range(flood)]  # held open: nothing sent yet
-        writers = [FakeWriter() for _ in range(flood)]
         info = types.SimpleNamespace(peer_id=STAGE_PEER)
-        tasks = [asyncio.ensure_future(rt.handle_stream(info, r, w)) for r, w in zip(readers, writers)]
-        await asyncio.sleep(0.2)
+        held = [asyncio.StreamReader() for _ in range(cap)]  # open, nothing sent yet
+        frame = prefixed(pack(valid_body(random.Random(1))))
+        readers = held + [_reader(frame) for _ in range(flood - cap)]
+        writers = [FakeWriter() for _ in range(flood)]
+        tasks = []
+        for r, w in zip(readers, writers):
+            tasks.append(asyncio.ensure_future(rt.handle_stream(info, r, w)))
+            await asyncio.sleep(0)  # in the order they arrived: the held ones first
         # another peer is not shed because of the flooder
-        other = await _call(rt.handle_stream, STRANGER, prefixed(pack(valid_body(random.Random(1)))))
+        other = await _call(rt.handle_stream, STRANGER, frame)
         assert _reply(other).kind == "backward"
-        for r in readers:
+        await asyncio.wait_for(asyncio.gather(*tasks[cap:]), 20)
+        for r in held:
             r.feed_eof()
-        await asyncio.wait_for(asyncio.gather(*tasks), 20)
+        await asyncio.wait_for(asyncio.gather(*tasks[:cap]), 20)
         replies = [_reply(w) for w in writers]  # every stream got an answer, none dropped silently
         busy = [f for f in replies if f.meta.get("code") == "busy"]
         assert len(busy) == flood - cap and all("concurrent streams" in f.meta["message"] for f in busy)
