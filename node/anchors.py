@@ -32,6 +32,7 @@ from protocol.frames import (
     MAX_TENSORS,
     Frame,
     FrameError,
+    OutOfRange,
     decode_frame,
     encode_frame,
     error_frame,
@@ -45,6 +46,12 @@ FACTORS_PER_FRAME = MAX_TENSORS // 2
 # |entry| of a factor (U·diag(s) or V): an honest one is bounded by the gradient's spectral norm,
 # far below this; the filter only uses the leading subspace, so only a hostile packet gets near it
 MAX_FACTOR = 1e6
+
+
+class NotAnAnchor(FrameError):
+    """An anchor packet stream from a peer this stage's records do not announce as an anchor."""
+
+    code = "unauthorized"
 
 
 def factorize(grad: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,8 +147,8 @@ class PacketSink:
             if rt.wire.bans.is_banned(sender):
                 return
             # before a byte is read: only the anchors this stage's records announce feed the filter
-            if sender not in anchor_peers_of_stage(rt):
-                raise FrameError("the sender is not an announced anchor of this stage")
+            if sender not in anchor_peers_of_stage(rt):  # refused unread: no strike
+                raise NotAnAnchor("the sender is not an announced anchor of this stage")
             frame = decode_frame(
                 await rt.wire.recv(reader, MAX_FRAME_BYTES, rt.cfg.hop_timeout, idle=IDLE_S),
                 run_id=rt.run.run_id,
@@ -150,7 +157,7 @@ class PacketSink:
                 raise FrameError("expected an anchor packet")
             window = self.spectral.max_staleness
             if not rt.inner_step - window <= frame.step <= rt.inner_step + window:
-                raise FrameError(
+                raise OutOfRange(
                     f"source step {frame.step} outside the staleness window {rt.inner_step} +- {window}"
                 )
             names = str(frame.meta.get("names", "")).split(",")
@@ -174,7 +181,7 @@ class PacketSink:
                 pairs.append((name, a, b))
             bad = await rt.compute(_bad_factors, pairs)
             if bad:
-                raise FrameError(f"anchor factors of {bad!r} not finite or above {MAX_FACTOR:g} in magnitude")
+                raise OutOfRange(f"anchor factors of {bad!r} not finite or above {MAX_FACTOR:g} in magnitude")
             accepted = await rt.compute(self._observe, pairs, frame.step)
             self.received += accepted
             self.dropped_stale += len(pairs) - accepted
@@ -184,7 +191,7 @@ class PacketSink:
         except FrameError as e:
             self.refused += 1
             rt.metrics.refused_messages += 1
-            if rt.wire.bans.record_bad(sender):
+            if not isinstance(e, NotAnAnchor) and rt.wire.bans.record_bad(sender):
                 log.warning("banning %s for repeated refused anchor packets (last: %s)", sender[:12], e)
             log.info("anchor packet from %s refused: %s", sender[:12], e)
             try:  # the anchor logs why (node.anchors._request raises the message)

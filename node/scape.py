@@ -93,7 +93,11 @@ ROUTE_RECHECK_S = 2.0  # an unknown sender triggers a route refresh at most this
 
 
 class Refused(Exception):
-    """A well-formed scape message this replica does not take (sender, step, or size)."""
+    """A well-formed scape message this replica does not take (its step or its size)."""
+
+
+class Unknown(Exception):
+    """A scape stream from a peer that is no replica of this stage (refused unread)."""
 
 
 def _frame_bytes(frame: Frame) -> int:
@@ -146,8 +150,8 @@ class ScapeSync:
             if rt.wire.bans.is_banned(sender):
                 return
             # before a byte is read: only the stage's own replicas may fill the inbox
-            if not await self._serves_stage(sender):
-                raise Refused("the sender does not serve this stage")
+            if not await self._serves_stage(sender):  # costs nothing: no strike
+                raise Unknown("the sender does not serve this stage")
             frame = decode_frame(
                 await rt.wire.recv(reader, MAX_FRAME_BYTES, rt.cfg.hop_timeout, idle=IDLE_S),
                 run_id=rt.run.run_id,
@@ -161,11 +165,11 @@ class ScapeSync:
                     raise FrameError("scape values malformed")
             if phase == "anchor":
                 phase = anchor_key(frame)
-            self._check_step(sender, frame.step)
-            cond = self._condition()
-            async with cond:
-                self._store(sender, phase, frame)
-                cond.notify_all()
+            if self._check_step(sender, frame.step):
+                cond = self._condition()
+                async with cond:
+                    self._store(sender, phase, frame)
+                    cond.notify_all()
             rt.wire.bans.record_good(sender)
         except Exception as e:
             self.refused += 1
@@ -187,14 +191,16 @@ class ScapeSync:
             await self.refresh_routes()
         return peer in fast_peers_of_stage(self.rt)
 
-    def _check_step(self, peer: str, step: int) -> None:
-        """Steps within a small window: from a few behind ours to a few past ours or the sender's
-        announced step (a replica that lags catches up to the steps its peers' values name)."""
+    def _check_step(self, peer: str, step: int) -> bool:
+        """True for a step to keep; False for one too old to matter (a lagging replica sends
+        those until it catches up: not hostile); Refused past a few steps ahead of ours or of
+        the sender's announced step (a replica that lags catches up to the steps its peers name)."""
         rt = self.rt
         rec = rt.routes[rt.index].get(peer)
         ahead = max(rt.inner_step, rec.inner_step if rec is not None else 0) + AHEAD_STEPS
-        if not rt.inner_step - _KEEP_STEPS <= step <= ahead:
+        if step > ahead:
             raise Refused(f"step {step} outside the window [{rt.inner_step - _KEEP_STEPS}, {ahead}]")
+        return step >= rt.inner_step - _KEEP_STEPS
 
     def _store(self, sender: str, phase: str, frame: Frame) -> None:
         """Keep ``frame`` unless the sender's frames already held would pass its byte budget."""
