@@ -10,7 +10,9 @@ What a flood costs: a peer gets at most ``MAX_STREAMS_PER_PEER`` streams served 
 rest are answered ``busy`` (their frame read and thrown away, or the stream resets and the
 reply is lost) and counted (``metrics.shed_streams``), so a flood is answered, not dropped. A
 stream that sends no byte for ``IDLE_S`` seconds is closed with a ``busy`` that names the
-deadline (``metrics.idle_streams``), so held streams cost little.
+deadline (``metrics.idle_streams``), so held streams cost little. The handler socket's accept
+queue is raised from hivemind's 100 (``node.wire.raise_accept_backlog``) so that a burst of
+streams waits to be answered instead of being reset by the daemon.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from node.context import StageContext
 from node.hop import HopFailed
 from node.step import Busy
 from node.transport import close_quietly
-from node.wire import IDLE_S, Idle, Unauthorized, skip_message
+from node.wire import IDLE_S, Idle, Unauthorized, raise_accept_backlog, skip_message
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, encode_frame, error_frame
 
 log = logging.getLogger("node")
@@ -54,6 +56,7 @@ class ForwardServer:
         self._idle.set()
         self._per_peer: dict[str, int] = {}
         self._shed_logged: dict[str, float] = {}  # peer -> when its shedding was last logged
+        self._backlog_checked = False
 
     @property
     def bans(self) -> BanList:
@@ -73,6 +76,11 @@ class ForwardServer:
             return False
 
     async def handle_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        if not self._backlog_checked and self.ctx.p2p is not None:
+            # the handler socket exists once a stream arrives: queue a burst instead of resetting it
+            self._backlog_checked = True
+            if not raise_accept_backlog(self.ctx.p2p):
+                log.info("could not raise the stream accept backlog; bursts past 100 streams may be reset")
         peer = str(stream_info.peer_id)
         if self._per_peer.get(peer, 0) >= MAX_STREAMS_PER_PEER:
             await self._shed(peer, reader, writer)

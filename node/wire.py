@@ -12,14 +12,22 @@ steady sender (100 MB at 80 Mbit/s: 10 s) still gets through.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import socket
 
 from node.bans import BanList
 from node.transport import HEADER_LEN, read_message, write_message
 from protocol.auth import HEADER_BYTES, ReplayGuard, Unauthorized, sign, verify
 from protocol.frames import FrameTooLarge, MalformedFrame
 
+log = logging.getLogger("node")
+
 IDLE_S = 5.0  # a handler closes a request stream that sent nothing for this long
 _CHUNK = 1 << 20
+# pending connections the handler socket queues: p2pd opens one per incoming stream, and
+# hivemind listens with asyncio's default of 100, so a burst of streams past it was reset
+ACCEPT_BACKLOG = 4096
 
 
 class Idle(asyncio.TimeoutError):
@@ -58,6 +66,39 @@ class Wire:
         if idle is None:
             return self.open(await read_message(reader, max_bytes + self.overhead, timeout))
         return self.open(await _read_active(reader, max_bytes + self.overhead, min(idle, timeout)))
+
+
+def raise_accept_backlog(p2p, backlog: int = ACCEPT_BACKLOG) -> bool:
+    """Raise the accept backlog of the unix socket hivemind's P2P serves its stream handlers on.
+
+    hivemind keeps that socket inside a context manager and offers no setting; listen() on a
+    duplicate of its descriptor resizes the queue of the same socket (Linux). False if it was
+    not found (no P2P yet, another platform); the node then works with the default queue."""
+    try:
+        path = p2p._client_listen_maddr.value_for_protocol("unix")
+        names = os.listdir("/proc/self/fd")
+    except Exception as e:  # not hivemind's P2P, or no /proc
+        log.debug("accept backlog left as it is: %s", e)
+        return False
+    for name in names:
+        try:
+            fd = os.dup(int(name))
+        except OSError:  # closed since the listing
+            continue
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:  # not a socket
+            os.close(fd)
+            continue
+        try:
+            if sock.family == socket.AF_UNIX and sock.getsockname() == path:
+                sock.listen(backlog)
+                return True
+        except OSError:
+            pass
+        finally:
+            sock.close()  # only the duplicate: the socket stays open on its own descriptor
+    return False
 
 
 async def skip_message(reader: asyncio.StreamReader, max_bytes: int, idle: float) -> None:
