@@ -28,13 +28,32 @@ from hivemind.p2p import PeerID
 
 from compression.spectral import is_target_matrix
 from node.transport import close_quietly
-from protocol.frames import MAX_FRAME_BYTES, MAX_TENSORS, Frame, FrameError, decode_frame, encode_frame
+from node.wire import IDLE_S
+from protocol.frames import (
+    MAX_FRAME_BYTES,
+    MAX_TENSORS,
+    Frame,
+    FrameError,
+    OutOfRange,
+    decode_frame,
+    encode_frame,
+    error_frame,
+)
 
 log = logging.getLogger("node")
 
 WEIGHTS_HANDLER = "vnode.weights"
 ANCHOR_HANDLER = "vnode.anchor"
 FACTORS_PER_FRAME = MAX_TENSORS // 2
+# |entry| of a factor (U·diag(s) or V): an honest one is bounded by the gradient's spectral norm,
+# far below this; the filter only uses the leading subspace, so only a hostile packet gets near it
+MAX_FACTOR = 1e6
+
+
+class NotAnAnchor(FrameError):
+    """An anchor packet stream from a peer this stage's records do not announce as an anchor."""
+
+    code = "unauthorized"
 
 
 def factorize(grad: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,15 +154,28 @@ class PacketSink:
         self.spectral = spectral  # compression.spectral.SpectralFilter the packets feed
         self.received = 0
         self.dropped_stale = 0
+        self.refused = 0
 
     async def handle(self, stream_info, reader, writer) -> None:
         rt = self.rt
+        sender = str(stream_info.peer_id)
         try:
+            if rt.wire.bans.is_banned(sender):
+                return
+            # before a byte is read: only the anchors this stage's records announce feed the filter
+            if sender not in anchor_peers_of_stage(rt):  # refused unread: no strike
+                raise NotAnAnchor("the sender is not an announced anchor of this stage")
             frame = decode_frame(
-                await rt.wire.recv(reader, MAX_FRAME_BYTES, rt.cfg.hop_timeout), run_id=rt.run.run_id
+                await rt.wire.recv(reader, MAX_FRAME_BYTES, rt.cfg.hop_timeout, idle=IDLE_S),
+                run_id=rt.run.run_id,
             )
             if frame.kind != "anchor":
                 raise FrameError("expected an anchor packet")
+            window = self.spectral.max_staleness
+            if not rt.inner_step - window <= frame.step <= rt.inner_step + window:
+                raise OutOfRange(
+                    f"source step {frame.step} outside the staleness window {rt.inner_step} +- {window}"
+                )
             names = str(frame.meta.get("names", "")).split(",")
             params = dict(rt.stage.named_parameters())
             pairs = []
@@ -155,19 +187,35 @@ class PacketSink:
                     or b is None
                     or p is None
                     or not is_target_matrix(name, p)
+                    or a.dim() != 2
+                    or b.dim() != 2
                     or a.shape[0] != p.shape[0]
                     or b.shape[0] != p.shape[1]
                     or a.shape[1] != b.shape[1]
                 ):
                     raise FrameError(f"anchor packet entry {name!r} does not fit this stage")
                 pairs.append((name, a, b))
+            bad = await rt.compute(_bad_factors, pairs)
+            if bad:
+                raise OutOfRange(f"anchor factors of {bad!r} not finite or above {MAX_FACTOR:g} in magnitude")
             accepted = await rt.compute(self._observe, pairs, frame.step)
             self.received += accepted
             self.dropped_stale += len(pairs) - accepted
+            rt.wire.bans.record_good(sender)
             ack = Frame(kind="anchor", run_id=rt.run.run_id, meta={"last": 1, "accepted": accepted})
             await rt.wire.send(writer, encode_frame(ack), rt.cfg.hop_timeout)
+        except FrameError as e:
+            self.refused += 1
+            rt.metrics.refused_messages += 1
+            if not isinstance(e, NotAnAnchor) and rt.wire.bans.record_bad(sender):
+                log.warning("banning %s for repeated refused anchor packets (last: %s)", sender[:12], e)
+            log.info("anchor packet from %s refused: %s", sender[:12], e)
+            try:  # the anchor logs why (node.anchors._request raises the message)
+                await rt.wire.send(writer, encode_frame(error_frame(rt.run.run_id, e)), rt.cfg.hop_timeout)
+            except Exception as e2:  # the sender went away
+                log.debug("anchor refusal not delivered: %s", e2)
         except Exception as e:
-            log.info("anchor packet refused: %s", e)
+            log.info("anchor packet from %s refused: %s: %s", sender[:12], type(e).__name__, e)
         finally:
             close_quietly(writer)
 
@@ -184,6 +232,20 @@ def fast_peers_of_stage(rt) -> dict:
     return {
         p: r for p, r in rt.routes[rt.index].items() if r.ready and r.circuit == "fast" and p != rt.peer_id
     }
+
+
+def anchor_peers_of_stage(rt) -> dict:
+    """Anchor peers this node's stage records announce (ready or still pulling), other than itself."""
+    return {p: r for p, r in rt.routes[rt.index].items() if r.circuit == "anchor" and p != rt.peer_id}
+
+
+def _bad_factors(pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> str | None:
+    """The first entry whose factors are non-finite or beyond ``MAX_FACTOR``; None if all are sane."""
+    for name, a, b in pairs:
+        for t in (a, b):
+            if t.numel() and not bool(t.float().abs().max() <= MAX_FACTOR):  # NaN fails the comparison
+                return name
+    return None
 
 
 async def pull_weights(rt) -> tuple[int, int] | None:

@@ -78,6 +78,7 @@ from node.scape_wire import (  # noqa: F401  (INITIAL_LINEAGE, winning_lineage: 
 )
 from node.step import StepGate, StepResult, mean_and_clip
 from node.transport import close_quietly
+from node.wire import IDLE_S
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame
 
 log = logging.getLogger("node")
@@ -87,6 +88,20 @@ BETAS = (0.9, 0.95)
 EPS = 1e-8
 _PHASES = ("values", "mask", "anchor")
 _KEEP_STEPS = 4  # inbox entries older than this many steps are dropped
+AHEAD_STEPS = 8  # frames for steps further ahead (of ours and of the sender's record) are refused
+ROUTE_RECHECK_S = 2.0  # an unknown sender triggers a route refresh at most this often
+
+
+class Refused(Exception):
+    """A well-formed scape message this replica does not take (its step or its size)."""
+
+
+class Unknown(Exception):
+    """A scape stream from a peer that is no replica of this stage (refused unread)."""
+
+
+def _frame_bytes(frame: Frame) -> int:
+    return sum(t.numel() * t.element_size() for t in frame.tensors.values())
 
 
 class ScapeSync:
@@ -117,6 +132,10 @@ class ScapeSync:
         self.alone = self.missing = self.mismatched = self.refused = 0
         self.lineage, self.applied = INITIAL_LINEAGE, 0
         self.reanchors = self.anchor_bytes = self.anchor_received = 0  # sent by a donor / adopted
+        self._routes_checked = -ROUTE_RECHECK_S
+        # what one honest sender can have in the inbox: a whole re-anchoring state (12 bytes per
+        # parameter), bf16 values and a mask slice (< 1 byte per parameter) for the steps kept
+        self.inbox_bytes_per_peer = 12 * self.numel + (_KEEP_STEPS + 2) * 3 * self.numel + (1 << 20)
 
     # ------------------------------------------------------------------ network
     def _condition(self) -> asyncio.Condition:
@@ -128,8 +147,14 @@ class ScapeSync:
         rt = self.rt
         sender = str(stream_info.peer_id)
         try:
+            if rt.wire.bans.is_banned(sender):
+                return
+            # before a byte is read: only the stage's own replicas may fill the inbox
+            if not await self._serves_stage(sender):  # costs nothing: no strike
+                raise Unknown("the sender does not serve this stage")
             frame = decode_frame(
-                await rt.wire.recv(reader, MAX_FRAME_BYTES, rt.cfg.hop_timeout), run_id=rt.run.run_id
+                await rt.wire.recv(reader, MAX_FRAME_BYTES, rt.cfg.hop_timeout, idle=IDLE_S),
+                run_id=rt.run.run_id,
             )
             phase = frame.meta.get("phase")
             if frame.kind != "scape" or phase not in _PHASES or frame.boundary != rt.index:
@@ -140,16 +165,53 @@ class ScapeSync:
                     raise FrameError("scape values malformed")
             if phase == "anchor":
                 phase = anchor_key(frame)
-            cond = self._condition()
-            async with cond:
-                if frame.step + _KEEP_STEPS >= rt.inner_step:
-                    self.inbox[(phase, frame.step)][sender] = frame
-                cond.notify_all()
+            if self._check_step(sender, frame.step):
+                cond = self._condition()
+                async with cond:
+                    self._store(sender, phase, frame)
+                    cond.notify_all()
+            rt.wire.bans.record_good(sender)
         except Exception as e:
             self.refused += 1
+            rt.metrics.refused_messages += 1
+            if isinstance(e, (FrameError, Refused)) and rt.wire.bans.record_bad(sender):
+                log.warning("banning %s for repeated refused scape messages (last: %s)", sender[:12], e)
             log.info("scape message from %s refused: %s", sender[:12], e)
         finally:
             close_quietly(writer)
+
+    async def _serves_stage(self, peer: str) -> bool:
+        """True if ``peer`` announces a fast replica of this stage; a peer not yet in our routes
+        (it joined since the last heartbeat) gets one route refresh, at most every few seconds."""
+        if peer in fast_peers_of_stage(self.rt):
+            return True
+        now = time.monotonic()
+        if now - self._routes_checked >= ROUTE_RECHECK_S:
+            self._routes_checked = now
+            await self.refresh_routes()
+        return peer in fast_peers_of_stage(self.rt)
+
+    def _check_step(self, peer: str, step: int) -> bool:
+        """True for a step to keep; False for one too old to matter (a lagging replica sends
+        those until it catches up: not hostile); Refused past a few steps ahead of ours or of
+        the sender's announced step (a replica that lags catches up to the steps its peers name)."""
+        rt = self.rt
+        rec = rt.routes[rt.index].get(peer)
+        ahead = max(rt.inner_step, rec.inner_step if rec is not None else 0) + AHEAD_STEPS
+        if step > ahead:
+            raise Refused(f"step {step} outside the window [{rt.inner_step - _KEEP_STEPS}, {ahead}]")
+        return step >= rt.inner_step - _KEEP_STEPS
+
+    def _store(self, sender: str, phase: str, frame: Frame) -> None:
+        """Keep ``frame`` unless the sender's frames already held would pass its byte budget."""
+        key = (phase, frame.step)
+        for k in [k for k in self.inbox if k[1] < self.rt.inner_step - _KEEP_STEPS]:
+            del self.inbox[k]
+        size = _frame_bytes(frame)
+        held = sum(_frame_bytes(got[sender]) for k, got in self.inbox.items() if k != key and sender in got)
+        if held + size > self.inbox_bytes_per_peer:
+            raise Refused(f"its inbox would hold {held + size} bytes, over {self.inbox_bytes_per_peer}")
+        self.inbox[key][sender] = frame
 
     async def _send(self, peer: str, frame: Frame) -> int:
         rt = self.rt

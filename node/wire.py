@@ -1,21 +1,44 @@
 """Messages on libp2p streams, signed with the swarm key when the run has one.
 
-Every handler (forward, basis, weights, anchor) sends and receives through one ``Wire``, so
-membership is checked in one place, on raw bytes, before any frame is parsed.
+Every handler (forward, basis, weights, anchor, scape) sends and receives through one ``Wire``,
+so membership is checked in one place, on raw bytes, before any frame is parsed; the ban list
+every handler strikes lives here too, so a peer banned by one handler is refused by all.
+
+A handler reads its request with ``idle``: a stream that sends no byte for ``idle`` seconds is
+closed (``Idle``) however long the frame, so a held stream costs little while a slow but
+steady sender (100 MB at 80 Mbit/s: 10 s) still gets through.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import socket
 
-from node.transport import read_message, write_message
+from node.bans import BanList
+from node.transport import HEADER_LEN, read_message, write_message
 from protocol.auth import HEADER_BYTES, ReplayGuard, Unauthorized, sign, verify
+from protocol.frames import FrameTooLarge, MalformedFrame
+
+log = logging.getLogger("node")
+
+IDLE_S = 5.0  # a handler closes a request stream that sent nothing for this long
+_CHUNK = 1 << 20
+# pending connections the handler socket queues: p2pd opens one per incoming stream, and
+# hivemind listens with asyncio's default of 100, so a burst of streams past it was reset
+ACCEPT_BACKLOG = 4096
+
+
+class Idle(asyncio.TimeoutError):
+    """A request stream sent no byte within the inactivity deadline."""
 
 
 class Wire:
     def __init__(self, key: bytes | None = None):
         self.key = key
         self.replay = ReplayGuard() if key else None
+        self.bans = BanList()
 
     @property
     def overhead(self) -> int:
@@ -35,8 +58,80 @@ class Wire:
         await write_message(writer, out, timeout)
         return len(out)
 
-    async def recv(self, reader: asyncio.StreamReader, max_bytes: int, timeout: float) -> bytes:
-        return self.open(await read_message(reader, max_bytes + self.overhead, timeout))
+    async def recv(
+        self, reader: asyncio.StreamReader, max_bytes: int, timeout: float, idle: float | None = None
+    ) -> bytes:
+        """One message; with ``idle``, the deadline is on inactivity (no byte for ``min(idle, timeout)``
+        seconds: never longer than the caller's deadline), not on the whole message."""
+        if idle is None:
+            return self.open(await read_message(reader, max_bytes + self.overhead, timeout))
+        return self.open(await _read_active(reader, max_bytes + self.overhead, min(idle, timeout)))
 
 
-__all__ = ["Wire", "Unauthorized"]
+def raise_accept_backlog(p2p, backlog: int = ACCEPT_BACKLOG) -> bool:
+    """Raise the accept backlog of the unix socket hivemind's P2P serves its stream handlers on.
+
+    hivemind keeps that socket inside a context manager and offers no setting; listen() on a
+    duplicate of its descriptor resizes the queue of the same socket (Linux). False if it was
+    not found (no P2P yet, another platform); the node then works with the default queue."""
+    try:
+        path = p2p._client_listen_maddr.value_for_protocol("unix")
+        names = os.listdir("/proc/self/fd")
+    except Exception as e:  # not hivemind's P2P, or no /proc
+        log.debug("accept backlog left as it is: %s", e)
+        return False
+    for name in names:
+        try:
+            fd = os.dup(int(name))
+        except OSError:  # closed since the listing
+            continue
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:  # not a socket
+            os.close(fd)
+            continue
+        try:
+            if sock.family == socket.AF_UNIX and sock.getsockname() == path:
+                sock.listen(backlog)
+                return True
+        except OSError:
+            pass
+        finally:
+            sock.close()  # only the duplicate: the socket stays open on its own descriptor
+    return False
+
+
+async def skip_message(reader: asyncio.StreamReader, max_bytes: int, idle: float) -> None:
+    """Read one message and throw it away, holding at most a chunk of it: closing a stream with
+    unread bytes resets it, and the reply written before would be lost with it."""
+    n = int.from_bytes(await _read_some(reader, HEADER_LEN, idle, exact=True), "big")
+    if n > max_bytes:
+        raise FrameTooLarge(f"declared message of {n} bytes exceeds the {max_bytes}-byte limit")
+    while n > 0:
+        n -= len(await _read_some(reader, min(n, _CHUNK), idle))
+
+
+async def _read_active(reader: asyncio.StreamReader, max_bytes: int, idle: float) -> bytes:
+    header = await _read_some(reader, HEADER_LEN, idle, exact=True)
+    n = int.from_bytes(header, "big")
+    if n > max_bytes:  # before a single payload byte is read: a hostile header costs nothing
+        raise FrameTooLarge(f"declared message of {n} bytes exceeds the {max_bytes}-byte limit")
+    buf = bytearray()
+    while len(buf) < n:
+        buf += await _read_some(reader, min(n - len(buf), _CHUNK), idle)
+    return bytes(buf)
+
+
+async def _read_some(reader: asyncio.StreamReader, n: int, idle: float, exact: bool = False) -> bytes:
+    try:
+        chunk = await asyncio.wait_for(reader.readexactly(n) if exact else reader.read(n), idle)
+    except asyncio.IncompleteReadError:
+        raise MalformedFrame("stream closed mid-message") from None
+    except asyncio.TimeoutError:
+        raise Idle(f"no bytes for {idle:g} s; idle streams are closed after {idle:g} s") from None
+    if not chunk:
+        raise MalformedFrame("stream closed mid-message")
+    return chunk
+
+
+__all__ = ["IDLE_S", "Idle", "Wire", "Unauthorized", "skip_message"]
