@@ -41,6 +41,7 @@ from node.scape import SCAPE_HANDLER, ScapeSync
 from node.server import ForwardServer
 from node.state import StageState
 from node.step import StepGate
+from node.wire import raise_accept_backlog
 from protocol.records import StageRecord
 
 log = logging.getLogger("node")
@@ -151,6 +152,7 @@ class Lifecycle:
         if self.scape is not None:
             await p2p.add_binary_stream_handler(SCAPE_HANDLER, self.scape.handle)
         await p2p.add_binary_stream_handler(HANDLER, self.server.handle_stream)
+        raise_accept_backlog(p2p)  # before the first burst of streams, not at the first stream served
         await self.publish()
         tasks = [asyncio.create_task(self.heartbeat_loop())]
         if ctx.cfg.max_steps and ctx.inner_step >= ctx.cfg.max_steps:  # resumed at its last step

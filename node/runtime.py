@@ -165,6 +165,10 @@ class StageRuntime(Lifecycle):
             "anchor_pulls": self.anchor.pulls if self.anchor else 0,
             "anchor_packets_received": self.packet_sink.received if self.packet_sink else 0,
             "anchor_packets_stale": self.packet_sink.dropped_stale if self.packet_sink else 0,
+            "anchor_packets_refused": self.packet_sink.refused if self.packet_sink else 0,
+            "shed_streams": m.shed_streams,  # over the per-peer stream bound: answered busy
+            "idle_streams": m.idle_streams,  # sent nothing within the idle deadline
+            "refused_messages": m.refused_messages,  # SCAPE frames refused (stranger, window, budget)
             "filter_s": m.filter_s,
             "state_pull_bytes": m.state_pull_bytes,
             "outer_rounds": m.outer_rounds,
