@@ -576,7 +576,12 @@ def add_model_out_commands(sub) -> None:
         g.add_argument(
             "--max-new-tokens", type=int, default=32, help="generation budget (default: %(default)s)"
         )
-        g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+        g.add_argument(
+            "--device",
+            default="auto",
+            choices=["auto", "cuda", "cpu"],
+            help="where the model runs; auto = cuda if present (default: %(default)s)",
+        )
         g.add_argument("--seed", type=int, default=0, help="built-in data / tiny models: seed (default: 0)")
 
 
