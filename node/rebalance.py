@@ -63,8 +63,9 @@ def choose_move(
 
     ``stages``: every stage's live records (subkey peer id), this node's own among them at ``mine``;
     ``allowed``: the stages that fit this node's memory (None: all). A node moves only to a stage
-    that is empty or starved (below ``FAR_BELOW`` of the mean of the others), never leaves a
-    stage without another ready peer, and only when the bottleneck gains by ``margin``.
+    that is empty or starved (below ``FAR_BELOW`` of the mean of the others) and that ends with
+    no more peers than it leaves behind, never leaves a stage without another ready peer, and
+    only when the bottleneck gains by ``margin``.
     """
     own = _peers(stages[mine], circuit)
     if not any(r.ready for pid, r in own.items() if pid != peer_id):
@@ -85,6 +86,11 @@ def choose_move(
         others = [t for i, t in enumerate(totals) if i != target]
         if totals[target] >= FAR_BELOW * (sum(others) / len(others)):
             continue  # not starved: a stage merely a little slower is left to routing
+        if len(own) - 1 < len(_peers(stages[target], circuit)) + 1:
+            # Stages announce rates of different work (a tail: forward, loss and backward; the
+            # others: forward only), so a tail always looks slower. Not inverting the peer counts
+            # keeps that bias from draining every other stage into the tail.
+            continue
         after = list(totals)
         after[mine] -= ours
         after[target] += ours

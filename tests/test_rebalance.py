@@ -92,13 +92,23 @@ def test_a_starved_stage_gets_a_peer_when_the_bottleneck_gains():
 
 
 def test_no_move_below_the_margin():
-    # stage 1 is starved (40 < half of 150), but moving b (10) lifts the bottleneck 40 -> 50 only
-    # with a margin of 0.25 that is a gain, just (50 > 50 is not); with 0.2 it moves
-    stages = swarm({"a": 290, "b": 10}, {"c": 40}, {"d": 300})
+    # stage 1 is starved (40 < half of 305), but moving b (10) lifts the bottleneck 40 -> 50 only:
+    # with a margin of 0.25 that is no gain (50 > 50 is not); with 0.2 it moves
+    stages = swarm({"a": 290, "b": 10, "e": 10}, {"c": 40}, {"d": 300})
     assert choose_move(stages, 0, "b") is None
     assert choose_move(stages, 0, "b", margin=0.2) == 1
-    # moving a (290) would starve stage 0 instead: 10 < 40 -> no
+    # moving a (290) would starve stage 0 instead: 20 < 40 -> no
     assert choose_move(stages, 0, "a") is None
+
+
+def test_a_throughput_move_does_not_invert_the_peer_counts():
+    # a tail announces ~10x less than a head (it also runs the backward): 2 heads, 1 tail stays so
+    stages = swarm({"a": 38000, "b": 38000}, {"c": 3000})
+    assert choose_move(stages, 0, "a") is None
+    stages = swarm({"a": 38000, "b": 38000}, {"c": 3000, "d": 3000})  # 2 + 2 stays too
+    assert choose_move(stages, 0, "a") is None
+    stages = swarm({"a": 38000, "b": 38000, "e": 38000}, {"c": 3000})  # 3 + 1 -> 2 + 2
+    assert choose_move(stages, 0, "a") == 1
 
 
 def test_a_slightly_slower_stage_is_left_to_routing():
