@@ -278,6 +278,14 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
         help="seconds between stage-record heartbeats (default: %(default)s)",
     )
     g.add_argument(
+        "--no-rebalance",
+        dest="rebalance",
+        action="store_false",
+        default=None,
+        help="stay on the claimed stage: never move to a stage left empty or far below the others "
+        "in throughput (moving is on by default with --stage auto)",
+    )
+    g.add_argument(
         "--state-dir",
         default=None,
         help="identity key, checkpoints and health file "

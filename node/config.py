@@ -97,3 +97,4 @@ class NodeConfig:
     resume: bool = False  # continue from this node's newest checkpoint of the run
     ready_file: str | None = None  # written once the stage is claimed (used by `swarm`)
     heartbeat_s: float = 2.0
+    rebalance: bool = True  # move to an empty or starved stage when that lifts the bottleneck

@@ -31,6 +31,7 @@ from node.membership import (
     remove_socket_dir,
     socket_dir,
     start_dht,
+    store_stage_record,
     store_stage_record_sync,
 )
 from node.model import ModelSource, combine_hashes, open_model, open_pretrain_model, resolve_model_path
@@ -273,6 +274,9 @@ def run_join(cfg: NodeConfig) -> int:
                     bases.add(b, payload)
                 del whole
                 publish_run_record(dht, run)  # calibrating may outlast its lifetime
+        # a node that chose its stage itself may move later; --stage N pins it (a resumed node
+        # goes back to its checkpoint's stage first, and may move from there)
+        may_move = cfg.rebalance and cfg.stage == "auto" and cfg.circuit == "fast"
         resume_from = None
         if cfg.resume:
             resume_from = newest_for_run(cfg.state_dir, run.run_id)
@@ -285,61 +289,87 @@ def run_join(cfg: NodeConfig) -> int:
             elif cfg.stage == "auto":
                 cfg.stage = str(resume_from.counters["stage"])  # back to the stage the checkpoint holds
         mem = stage_memory(cfg, run, model, device)
-        index = claim_stage(cfg, dht, run, peer_id, stages_that_fit(cfg, mem))
-        if not run_is_new and source.stage_hash(run.stages, index) != run.stage_hashes[index]:
-            raise JoinError(
-                f"this node's weights of stage {index} differ from the run's (hash mismatch); "
-                "pass the same --model checkpoint as the swarm, or download it again"
+        fits = stages_that_fit(cfg, mem)
+        index = claim_stage(cfg, dht, run, peer_id, fits)
+        del model
+
+        def start_stage(index: int, resume_from=None) -> StageRuntime:
+            """Load stage ``index`` and build its runtime (at the start, and again after a move)."""
+            nonlocal outer, tok
+            if not run_is_new and source.stage_hash(run.stages, index) != run.stage_hashes[index]:
+                raise JoinError(
+                    f"this node's weights of stage {index} differ from the run's (hash mismatch); "
+                    "pass the same --model checkpoint as the swarm, or download it again"
+                )
+            start, end = run.stages[index]
+            print(
+                f"peer {peer_id} serves stage {index} (layers {start}..{end - 1}) on {device}, "
+                f"needs {describe_memory(mem[index])}",
+                flush=True,
             )
-        start, end = run.stages[index]
-        print(
-            f"peer {peer_id} serves stage {index} (layers {start}..{end - 1}) on {device}, "
-            f"needs {describe_memory(mem[index])}",
-            flush=True,
-        )
-        if cfg.ready_file:
-            with open(cfg.ready_file + ".tmp", "w") as f:
-                json.dump({"peer_id": peer_id, "maddrs": maddrs, "stage": index}, f)
-            os.replace(cfg.ready_file + ".tmp", cfg.ready_file)
-        stage = source.load_stage(run.stages, index, device)
-        del model, source
-        data = None
-        if index == 0:
-            tok = tok or ByteTokenizer(stage.config.vocab_size)
-            examples = load_examples(cfg.data, seed=run.seed)
-            if run.mode == "pretrain":  # next-token loss on every position
-                examples = as_plain_text(examples)
-            data = microbatches(examples, tok, run.microbatch, run.seq_len, seed=zlib.crc32(peer_id.encode()))
-        outer = None
-        if run.outer["every"] > 0 and cfg.circuit == "fast":
-            o = run.outer
-            # hivemind's averager installs signal handlers: it must be created here, on the main thread
-            outer = OuterSync(
-                dht,
-                run.run_id,
-                index,
-                {n: p for n, p in stage.named_parameters() if p.requires_grad},
-                rank=int(o["rank"]),
-                group_size=int(o["group_size"]),
-                outer_lr=float(o["lr"]),
-                momentum=float(o["momentum"]),
-                seed=run.seed,
-                timeout=float(o["timeout"]),
-                mode=o["mode"],
-            )
-        runtime = StageRuntime(cfg, run, index, stage, dht, peer_id, data, device, outer=outer)
-        runtime.maddrs = maddrs
-        if resume_from is not None:
-            runtime.restore(resume_from)
-            log.info("resumed from %s at inner step %d", resume_from.path, runtime.inner_step)
-        runtime.wire = Wire(key)
-        runtime.bases = bases
+            if cfg.ready_file:
+                with open(cfg.ready_file + ".tmp", "w") as f:
+                    json.dump({"peer_id": peer_id, "maddrs": maddrs, "stage": index}, f)
+                os.replace(cfg.ready_file + ".tmp", cfg.ready_file)
+            stage = source.load_stage(run.stages, index, device)
+            data = None
+            if index == 0:
+                tok = tok or ByteTokenizer(stage.config.vocab_size)
+                examples = load_examples(cfg.data, seed=run.seed)
+                if run.mode == "pretrain":  # next-token loss on every position
+                    examples = as_plain_text(examples)
+                seed = zlib.crc32(peer_id.encode())
+                data = microbatches(examples, tok, run.microbatch, run.seq_len, seed=seed)
+            outer = None
+            if run.outer["every"] > 0 and cfg.circuit == "fast":
+                o = run.outer
+                # hivemind's averager installs signal handlers: it must be created on the main thread
+                outer = OuterSync(
+                    dht,
+                    run.run_id,
+                    index,
+                    {n: p for n, p in stage.named_parameters() if p.requires_grad},
+                    rank=int(o["rank"]),
+                    group_size=int(o["group_size"]),
+                    outer_lr=float(o["lr"]),
+                    momentum=float(o["momentum"]),
+                    seed=run.seed,
+                    timeout=float(o["timeout"]),
+                    mode=o["mode"],
+                )
+            runtime = StageRuntime(cfg, run, index, stage, dht, peer_id, data, device, outer=outer)
+            runtime.maddrs = maddrs
+            if resume_from is not None:
+                runtime.restore(resume_from)
+                log.info("resumed from %s at inner step %d", resume_from.path, runtime.inner_step)
+            runtime.wire = Wire(key)
+            runtime.bases = bases
+            runtime.move_allowed = fits if may_move else None
+            return runtime
+
+        runtime = start_stage(index, resume_from)
 
         async def main():
+            nonlocal runtime, outer
             p2p = await dht.replicate_p2p()
-            keeper = asyncio.create_task(keep_run_record(dht, run, runtime.stop))
+            keeper = asyncio.create_task(keep_run_record(dht, run, asyncio.Event()))
             try:
-                await runtime.serve(p2p)
+                while True:
+                    await runtime.serve(p2p)
+                    if runtime.move_to is None or runtime.terminated:
+                        return
+                    # moved (node.rebalance): the same DHT and p2p serve the new stage, after a claim
+                    # that others see at once, so no second replica moves there too
+                    if outer is not None:
+                        outer.shutdown()
+                    left, index = runtime, runtime.move_to
+                    await store_stage_record(
+                        dht, run.run_id, index, peer_id, StageRecord(circuit=cfg.circuit, ready=False),
+                        timeout=cfg.hop_timeout,
+                    )  # fmt: skip
+                    runtime = start_stage(index)
+                    if left.terminated:  # SIGTERM while the new stage loaded (the old handler caught it)
+                        return
             finally:
                 keeper.cancel()
 

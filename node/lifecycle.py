@@ -30,6 +30,7 @@ from node.anchors import (
     fast_peers_of_stage,
     pull_weights,
 )
+from node.basis import HANDLER as BASIS_HANDLER
 from node.context import StageContext
 from node.health import write_health
 from node.hop import HANDLER, HopClient
@@ -37,6 +38,7 @@ from node.linkio import LinkIO
 from node.membership import store_stage_record
 from node.metrics import write_json_atomic
 from node.pipeline import Pipeline
+from node.rebalance import Rebalancer, choose_move, move_reason
 from node.scape import SCAPE_HANDLER, ScapeSync
 from node.server import ForwardServer
 from node.state import StageState
@@ -63,6 +65,11 @@ class Lifecycle:
     packet_sink: PacketSink | None
     scape: ScapeSync | None
     outer: object | None  # node.diloco.OuterSync
+    rebalancer: Rebalancer | None = None
+    # rebalancing (node.rebalance): the stages this node may move to (None: it stays), and the verdict
+    move_allowed: set[int] | None = None
+    move_to: int | None = None  # set when the node left its stage to serve this one
+    terminated = False  # SIGINT/SIGTERM: the process stops, whatever move_to says
 
     def metrics_dict(self) -> dict:
         raise NotImplementedError
@@ -98,6 +105,7 @@ class Lifecycle:
             except Exception as e:
                 log.info("heartbeat failed: %s", e)
             await self.hops.refresh_routes()
+            await self.maybe_move()
             if self.linkio.bases is not None:
                 try:
                     await self.linkio.bases.announce()
@@ -109,6 +117,40 @@ class Lifecycle:
                 await asyncio.wait_for(ctx.stop.wait(), ctx.cfg.heartbeat_s)
             except asyncio.TimeoutError:
                 pass
+
+    async def maybe_move(self) -> None:
+        """Every few beats: if another stage needs this node more (``choose_move``), leave for it.
+
+        The move is decided twice, around a random wait, on fresh records: a replica of this stage
+        that saw the same need may have claimed it meanwhile. Sets ``move_to`` and stops serving;
+        ``node.join`` then serves the new stage in this process.
+        """
+        ctx, rb = self.ctx, self.rebalancer
+        if rb is None or ctx.stop.is_set() or not rb.due(time.monotonic()):
+            return
+        circuit = ctx.cfg.circuit
+        target = choose_move(ctx.routes, ctx.index, ctx.peer_id, circuit, self.move_allowed)
+        if target is None:
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(ctx.stop.wait(), rb.jitter())
+        if ctx.stop.is_set():
+            return
+        await self.hops.refresh_routes()
+        if choose_move(ctx.routes, ctx.index, ctx.peer_id, circuit, self.move_allowed) != target:
+            return
+        log.warning(
+            "moving from stage %d to stage %d: %s",
+            ctx.index,
+            target,
+            move_reason(ctx.routes, target, circuit),
+        )
+        self.move_to = target
+        ctx.stop.set()
+
+    def _on_signal(self) -> None:
+        self.terminated = True
+        self.ctx.stop.set()
 
     def write_health(self, serving: bool) -> None:
         ctx = self.ctx
@@ -137,7 +179,7 @@ class Lifecycle:
         ctx.p2p = p2p
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, ctx.stop.set)
+            loop.add_signal_handler(sig, self._on_signal)
         bases = self.linkio.bases
         if bases is not None:
             bases.wire = ctx.wire
@@ -154,6 +196,8 @@ class Lifecycle:
         await p2p.add_binary_stream_handler(HANDLER, self.server.handle_stream)
         raise_accept_backlog(p2p)  # before the first burst of streams, not at the first stream served
         await self.publish()
+        if self.move_allowed is not None:  # the dwell counts from now: a joiner first fills its stage
+            self.rebalancer = Rebalancer(time.monotonic(), ctx.cfg.heartbeat_s)
         tasks = [asyncio.create_task(self.heartbeat_loop())]
         if ctx.cfg.max_steps and ctx.inner_step >= ctx.cfg.max_steps:  # resumed at its last step
             log.info("already at --max-steps %d: nothing to train", ctx.cfg.max_steps)
@@ -189,10 +233,13 @@ class Lifecycle:
                 await ctx.compute(self._save_theta)
         self.write_metrics()
         self.write_health(serving=False)
-        try:
-            await asyncio.wait_for(p2p.remove_binary_stream_handler(HANDLER), 5.0)
-        except Exception:
-            pass
+        # a node that moves registers its handlers again for the new stage, in this process
+        handlers = [HANDLER]
+        if self.move_to is not None:
+            handlers += [WEIGHTS_HANDLER, ANCHOR_HANDLER, SCAPE_HANDLER, BASIS_HANDLER]
+        for name in handlers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(p2p.remove_binary_stream_handler(name), 5.0)
         ctx.compute.shutdown()
         self.state.pool.shutdown(wait=True)
 
