@@ -41,6 +41,7 @@ from node.scape import SCAPE_HANDLER, ScapeSync
 from node.server import ForwardServer
 from node.state import StageState
 from node.step import StepGate
+from node.tied import TIED_HANDLER, TiedExchange
 from protocol.records import StageRecord
 
 log = logging.getLogger("node")
@@ -61,6 +62,7 @@ class Lifecycle:
     weight_server: WeightServer | None
     packet_sink: PacketSink | None
     scape: ScapeSync | None
+    tied: TiedExchange | None
     outer: object | None  # node.diloco.OuterSync
 
     def metrics_dict(self) -> dict:
@@ -150,6 +152,8 @@ class Lifecycle:
             await p2p.add_binary_stream_handler(ANCHOR_HANDLER, self.packet_sink.handle)
         if self.scape is not None:
             await p2p.add_binary_stream_handler(SCAPE_HANDLER, self.scape.handle)
+        if self.tied is not None:
+            await p2p.add_binary_stream_handler(TIED_HANDLER, self.tied.handle)
         await p2p.add_binary_stream_handler(HANDLER, self.server.handle_stream)
         await self.publish()
         tasks = [asyncio.create_task(self.heartbeat_loop())]

@@ -35,6 +35,7 @@ from node.server import ForwardServer
 from node.stages import Stage
 from node.state import StageState
 from node.step import AdamWStep, AnchorStep, Busy, StepGate, Stepper
+from node.tied import TiedExchange, tied_parameter
 from protocol.records import RunRecord
 
 __all__ = ["HANDLER", "Busy", "HopFailed", "StageRuntime", "gone_peers"]
@@ -87,7 +88,7 @@ class StageRuntime(Lifecycle):
         self.hops = HopClient(ctx, self.linkio.parse)
         self.maddrs: list[str] = []
         self.outer = outer  # node.diloco.OuterSync when the run averages replicas
-        self.anchor = self.filter = self.weight_server = self.packet_sink = self.scape = None
+        self.anchor = self.filter = self.weight_server = self.packet_sink = self.scape = self.tied = None
         a = run.anchor
         if cfg.circuit == "anchor":
             self.anchor = AnchorClient(ctx, pull_every=int(a["pull_every"]), rank=int(a["rank"]))
@@ -103,7 +104,13 @@ class StageRuntime(Lifecycle):
             self.state.register("filter", self.filter)
             self.weight_server = WeightServer(ctx)
             self.packet_sink = PacketSink(ctx, self.filter)
-            strategy = AdamWStep(ctx, self.gate, self.opt, self.filter, outer)
+            tied = tied_parameter(ctx)
+            self.tied = (
+                None
+                if tied is None
+                else TiedExchange(ctx, tied, self.hops.deadline(0), self.hops.refresh_routes)
+            )
+            strategy = AdamWStep(ctx, self.gate, self.opt, self.filter, outer, self.tied)
             # SCAPE: AdamS + a sparse sync with the stage's replicas every step, instead of AdamW
             if run.dp.get("mode") == "scape" and cfg.circuit == "fast":
                 self.scape = strategy = ScapeSync(
@@ -166,6 +173,12 @@ class StageRuntime(Lifecycle):
             "anchor_packets_received": self.packet_sink.received if self.packet_sink else 0,
             "anchor_packets_stale": self.packet_sink.dropped_stale if self.packet_sink else 0,
             "filter_s": m.filter_s,
+            "tied": {
+                "bytes_sent": m.tied_bytes_sent,
+                "bytes_received": m.tied_bytes_received,
+                "exchanged": m.tied_exchanged,
+                "missed": m.tied_missed,
+            },
             "state_pull_bytes": m.state_pull_bytes,
             "outer_rounds": m.outer_rounds,
             "outer_alone": m.outer_alone,
