@@ -48,7 +48,6 @@ def _full_name(name: str, start: int) -> str:
     return name if name.startswith("lm_head") else "model." + name
 
 
-@pytest.mark.slow
 def test_two_stage_swarm_step_equals_whole_model_step(tmp_path):
     from transformers import LlamaForCausalLM
 
