@@ -178,6 +178,7 @@ class StageRuntime(Lifecycle):
                 "bytes_received": m.tied_bytes_received,
                 "exchanged": m.tied_exchanged,
                 "missed": m.tied_missed,
+                "unpaired": m.tied_unpaired,
             },
             "state_pull_bytes": m.state_pull_bytes,
             "outer_rounds": m.outer_rounds,

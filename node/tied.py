@@ -23,10 +23,14 @@ own gradient and counts ``tied_missed``. The copies then differ, and nothing re-
 DiLoCo rounds average replicas of one stage, never the head with the tail (a periodic copy of the
 tail's tensor to the heads could).
 
-Replicas: the pairing is by step index, and it is exact for one head and one tail peer. With
-several peers on an end stage, each side sends to every ready peer of the partner stage and takes
-the first gradient of its step index, whichever peer sent it: every copy trains on both parts of
-the gradient, but replicas step on different microbatches, so the copies are not bit-identical.
+Replicas: the pairing by step index (and the wait) is for one head and one tail peer, where it is
+exact. With several peers on an end stage the stages step at different rates (a tail fed by two
+heads steps twice as often as each), so there is no step to pair: each side still sends its mean
+gradient to every ready peer of the partner stage after each step, and at its own step adds,
+without waiting, the mean of the newest gradient each partner peer sent since (counted in
+``tied_unpaired``). Every copy then trains on both parts of the gradient, a step late and
+averaged over the partner's replicas, but the copies are not bit-identical; the DiLoCo rounds keep
+each end stage's replicas together.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
-from node.anchors import _request
+from node.anchors import _request, fast_peers_of_stage
 from node.context import StageContext
 from node.transport import close_quietly
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame
@@ -104,7 +108,9 @@ class TiedExchange:
     ) -> None:
         self.ctx, self.param, self.deadline_s, self.refresh_routes = ctx, param, deadline_s, refresh_routes
         self.partner = ctx.n_stages - 1 if ctx.is_head else 0
-        self.inbox: dict[int, torch.Tensor] = {}  # step -> the partner's mean gradient, dense
+        # (step, sender) -> a partner's mean gradient, dense; the newest step of each sender
+        self.inbox: dict[tuple[int, str], torch.Tensor] = {}
+        self.newest: dict[str, int] = {}
         self._arrived = asyncio.Condition()
 
     # ------------------------------------------------------------ sending side
@@ -117,6 +123,10 @@ class TiedExchange:
 
     def _partners(self) -> list[str]:
         return [p for p, r in self.ctx.routes[self.partner].items() if r.ready and r.circuit == "fast"]
+
+    def paired(self, partners: list[str]) -> bool:
+        """One head and one tail: steps pair by index, and the exchange is exact."""
+        return len(partners) == 1 and not fast_peers_of_stage(self.ctx)
 
     async def exchange(self, step: int, mean: torch.Tensor) -> torch.Tensor | None:
         """Send ``mean`` for ``step`` to the partner stage; the partner's, or None at the deadline."""
@@ -135,9 +145,19 @@ class TiedExchange:
                 log.info("tied gradient to %s failed: %s", peer[:12], r)
             else:
                 m.tied_bytes_sent += r[1]
+        if not self.paired(peers):
+            async with self._arrived:
+                got, self.inbox = list(self.inbox.values()), {}
+            if not got:
+                return None
+            m.tied_unpaired += 1
+            return got[0] if len(got) == 1 else torch.stack(got).mean(dim=0)
+        (partner,) = peers
         try:
             async with self._arrived:
-                await asyncio.wait_for(self._arrived.wait_for(lambda: step in self.inbox), self.deadline_s)
+                await asyncio.wait_for(
+                    self._arrived.wait_for(lambda: (step, partner) in self.inbox), self.deadline_s
+                )
         except asyncio.TimeoutError:
             m.tied_missed += 1
             log.warning(
@@ -148,11 +168,10 @@ class TiedExchange:
                 self.deadline_s,
             )
             return None
-        partner = self.inbox.pop(step)
-        for s in [s for s in self.inbox if s < step]:  # a late one of a step we gave up on
-            del self.inbox[s]
+        async with self._arrived:
+            grad, self.inbox = self.inbox[(step, partner)], {}  # older ones: steps we gave up on
         m.tied_exchanged += 1
-        return partner
+        return grad
 
     # ------------------------------------------------------------ receiving side
     async def handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -168,15 +187,18 @@ class TiedExchange:
             frame = decode_frame(data, run_id=ctx.run.run_id)  # finite floats only
             if frame.kind != "tied":
                 raise FrameError("expected a tied gradient")
-            if abs(frame.step - ctx.inner_step) > STEP_WINDOW:
+            # paired, the partner's step is ours; with replicas, a sender's steps only go forward
+            if self.paired(self._partners()) and abs(frame.step - ctx.inner_step) > STEP_WINDOW:
                 raise FrameError(
                     f"tied gradient of step {frame.step}, {STEP_WINDOW}+ steps from ours ({ctx.inner_step})"
                 )
+            if frame.step <= self.newest.get(peer, -1):
+                raise FrameError(f"tied gradient of step {frame.step} is not newer than the last one")
             grad = await ctx.compute(partner_gradient, frame.tensors, self.param, not ctx.is_head)
             async with self._arrived:
-                self.inbox.setdefault(frame.step, grad)  # the first one for a step counts
-                for s in [s for s in self.inbox if s < ctx.inner_step - STEP_WINDOW]:
-                    del self.inbox[s]
+                self.newest[peer] = frame.step
+                self.inbox = {k: g for k, g in self.inbox.items() if k[1] != peer}  # the newest only
+                self.inbox[(frame.step, peer)] = grad
                 self._arrived.notify_all()
             ack = Frame(kind="tied", run_id=ctx.run.run_id, step=frame.step, meta={"last": 1})
             await ctx.wire.send(writer, encode_frame(ack), ctx.cfg.hop_timeout)
