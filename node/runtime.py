@@ -121,6 +121,7 @@ class StageRuntime(Lifecycle):
                     float(run.dp.get("timeout", 10.0)),
                 )
                 self.state.register("scape", self.scape)
+                self.tied = None  # SCAPE's AdamS step does not exchange the tied gradient (not built)
         if outer is not None:
             self.state.register("outer", outer)
         checkpoint = None if self.anchor is not None else (lambda: self.state.checkpoint(wait=False))

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import torch
@@ -146,19 +147,18 @@ class TiedExchange:
             else:
                 m.tied_bytes_sent += r[1]
         if not self.paired(peers):
-            async with self._arrived:
-                got, self.inbox = list(self.inbox.values()), {}
-            if not got:
-                return None
-            m.tied_unpaired += 1
-            return got[0] if len(got) == 1 else torch.stack(got).mean(dim=0)
+            return await self._unpaired()
         (partner,) = peers
-        try:
-            async with self._arrived:
-                await asyncio.wait_for(
-                    self._arrived.wait_for(lambda: (step, partner) in self.inbox), self.deadline_s
-                )
-        except asyncio.TimeoutError:
+        deadline = time.monotonic() + self.deadline_s
+        while (step, partner) not in self.inbox:
+            if time.monotonic() > deadline:
+                break
+            if not self.paired(self._partners()):  # a replica came (heartbeat routes): do not wait for it
+                return await self._unpaired()
+            with contextlib.suppress(asyncio.TimeoutError):
+                async with self._arrived:
+                    await asyncio.wait_for(self._arrived.wait_for(lambda: (step, partner) in self.inbox), 1.0)
+        if (step, partner) not in self.inbox:
             m.tied_missed += 1
             log.warning(
                 "no tied gradient from stage %d for step %d within %.0f s; stepping with our own: "
@@ -172,6 +172,15 @@ class TiedExchange:
             grad, self.inbox = self.inbox[(step, partner)], {}  # older ones: steps we gave up on
         m.tied_exchanged += 1
         return grad
+
+    async def _unpaired(self) -> torch.Tensor | None:
+        """The mean of the newest gradient each partner peer sent since our last step, if any."""
+        async with self._arrived:
+            got, self.inbox = list(self.inbox.values()), {}
+        if not got:
+            return None
+        self.ctx.metrics.tied_unpaired += 1
+        return got[0] if len(got) == 1 else torch.stack(got).mean(dim=0)
 
     # ------------------------------------------------------------ receiving side
     async def handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
