@@ -172,13 +172,7 @@ class AdamWStep:
         partner = None
         if self.tied is not None:
             mean = await self.ctx.compute(self.tied.own_mean, microbatches)
-            # the partner may wait on microbatches held by our step: turn them away (upstream
-            # drops or retries them) rather than deadlock until the exchange's deadline
-            await self.gate.set_refusing(True)
-            try:
-                partner = await self.tied.exchange(t, mean)
-            finally:
-                await self.gate.set_refusing(False)
+            partner = await self.tied.exchange(t, mean, self.gate)
         ok = await self.ctx.compute(self._apply, microbatches, partner)
         await self._maybe_outer_round(t + 1)
         return StepResult(ok, t)

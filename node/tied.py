@@ -40,6 +40,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -47,6 +48,9 @@ from node.anchors import _request, fast_peers_of_stage
 from node.context import StageContext
 from node.transport import close_quietly
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame
+
+if TYPE_CHECKING:
+    from node.step import StepGate  # node.step imports this module
 
 log = logging.getLogger("node")
 
@@ -129,8 +133,12 @@ class TiedExchange:
         """One head and one tail: steps pair by index, and the exchange is exact."""
         return len(partners) == 1 and not fast_peers_of_stage(self.ctx)
 
-    async def exchange(self, step: int, mean: torch.Tensor) -> torch.Tensor | None:
-        """Send ``mean`` for ``step`` to the partner stage; the partner's, or None at the deadline."""
+    async def exchange(self, step: int, mean: torch.Tensor, gate: StepGate) -> torch.Tensor | None:
+        """Send ``mean`` for ``step`` to the partner stage; the partner's, or None at the deadline.
+
+        ``gate``: our step's; while we wait for the partner it turns new microbatches away, since
+        the partner's own step may wait for one of them to drain (upstream drops or retries it).
+        """
         ctx, m = self.ctx, self.ctx.metrics
         peers = self._partners()
         if not peers:  # routes are refreshed each heartbeat: a partner that just came may be missing
@@ -150,14 +158,17 @@ class TiedExchange:
             return await self._unpaired()
         (partner,) = peers
         deadline = time.monotonic() + self.deadline_s
-        while (step, partner) not in self.inbox:
-            if time.monotonic() > deadline:
-                break
-            if not self.paired(self._partners()):  # a replica came (heartbeat routes): do not wait for it
-                return await self._unpaired()
-            with contextlib.suppress(asyncio.TimeoutError):
-                async with self._arrived:
-                    await asyncio.wait_for(self._arrived.wait_for(lambda: (step, partner) in self.inbox), 1.0)
+        await gate.set_refusing(True)
+        try:
+            while (step, partner) not in self.inbox and time.monotonic() < deadline:
+                if not self.paired(self._partners()):  # a replica came (heartbeat routes): do not wait
+                    return await self._unpaired()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    async with self._arrived:
+                        arrived = self._arrived.wait_for(lambda: (step, partner) in self.inbox)
+                        await asyncio.wait_for(arrived, 1.0)
+        finally:
+            await gate.set_refusing(False)
         if (step, partner) not in self.inbox:
             m.tied_missed += 1
             log.warning(
