@@ -40,7 +40,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -48,9 +48,6 @@ from node.anchors import _request, fast_peers_of_stage
 from node.context import StageContext
 from node.transport import close_quietly
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame
-
-if TYPE_CHECKING:
-    from node.step import StepGate  # node.step imports this module
 
 log = logging.getLogger("node")
 
@@ -101,6 +98,10 @@ def partner_gradient(
     return torch.zeros_like(param).index_copy_(0, ids.to(param.device), rows.to(param.device))
 
 
+class Gate(Protocol):  # node.step.StepGate (node.step imports this module)
+    async def set_refusing(self, refusing: bool) -> None: ...
+
+
 class TiedExchange:
     """One end of the exchange: send our step's mean gradient, receive the partner's (``handle``)."""
 
@@ -133,7 +134,7 @@ class TiedExchange:
         """One head and one tail: steps pair by index, and the exchange is exact."""
         return len(partners) == 1 and not fast_peers_of_stage(self.ctx)
 
-    async def exchange(self, step: int, mean: torch.Tensor, gate: StepGate) -> torch.Tensor | None:
+    async def exchange(self, step: int, mean: torch.Tensor, gate: Gate) -> torch.Tensor | None:
         """Send ``mean`` for ``step`` to the partner stage; the partner's, or None at the deadline.
 
         ``gate``: our step's; while we wait for the partner it turns new microbatches away, since
