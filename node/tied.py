@@ -13,10 +13,12 @@ and the same AdamW update from the same AdamW state: they stay bit-identical. Th
 
 Bytes per step: the head's gradient is sparse (only rows of tokens in its batch are non-zero), so
 it sends the ids and those rows: rows x (H + 2) x 4 bytes. The tail's is dense V x H, sent in the
-gradient's dtype (fp32 here) for exactness: 4·V·H bytes (SmolLM2-360M: 49152 x 960 x 4 = 189 MB a
-step, more than the activations). bf16 would halve it but end bit-identity; it is also low rank
-(dlogitsᵀ·h over the n labelled positions: rank <= n), so its exact factors, n·(V + H) numbers,
-are much smaller whenever a step labels fewer than ~H positions. Neither is built yet.
+gradient's dtype (fp32 here) for exactness: 4·V·H bytes (the bundled SmolLM2-135M: 49152 x 576 x 4
+= 113 MB a step; SmolLM2-360M: 189 MB; far more than its activations). bf16 would halve it but
+end bit-identity; it is also low rank (dlogitsᵀ·h over the n labelled positions: rank <= n), so
+its exact factors, n·(V + H) numbers, are much smaller whenever a step labels fewer than ~H
+positions. Neither is built yet, nor a split into several frames: one frame holds at most
+MAX_FRAME_BYTES (256 MiB), so V·H above 64 M parameters (e.g. 128k x 4096) cannot be sent yet.
 
 A partner's gradient that has not come within ``deadline_s`` is given up: the side steps with its
 own gradient and counts ``tied_missed``. The copies then differ, and nothing re-ties them yet: the
