@@ -82,6 +82,8 @@ def new_run_record(cfg: NodeConfig, model, name: str, model_hash: str) -> RunRec
         seq_len=cfg.seq_len,
         microbatch=cfg.microbatch,
         batch_tokens=cfg.batch_tokens,
+        # a tied model stays tied across stages: head and tail sum their gradients (node.tied)
+        tied=bool(getattr(model.config, "tie_word_embeddings", False)),
     )
 
 

@@ -43,6 +43,7 @@ from node.scape import SCAPE_HANDLER, ScapeSync
 from node.server import ForwardServer
 from node.state import StageState
 from node.step import StepGate
+from node.tied import TIED_HANDLER, TiedExchange
 from node.wire import raise_accept_backlog
 from protocol.records import StageRecord
 
@@ -64,6 +65,7 @@ class Lifecycle:
     weight_server: WeightServer | None
     packet_sink: PacketSink | None
     scape: ScapeSync | None
+    tied: TiedExchange | None
     outer: object | None  # node.diloco.OuterSync
     rebalancer: Rebalancer | None = None
     # rebalancing (node.rebalance): the stages this node may move to (None: it stays), and the verdict
@@ -193,6 +195,8 @@ class Lifecycle:
             await p2p.add_binary_stream_handler(ANCHOR_HANDLER, self.packet_sink.handle)
         if self.scape is not None:
             await p2p.add_binary_stream_handler(SCAPE_HANDLER, self.scape.handle)
+        if self.tied is not None:
+            await p2p.add_binary_stream_handler(TIED_HANDLER, self.tied.handle)
         await p2p.add_binary_stream_handler(HANDLER, self.server.handle_stream)
         raise_accept_backlog(p2p)  # before the first burst of streams, not at the first stream served
         await self.publish()
@@ -236,7 +240,7 @@ class Lifecycle:
         # a node that moves registers its handlers again for the new stage, in this process
         handlers = [HANDLER]
         if self.move_to is not None:
-            handlers += [WEIGHTS_HANDLER, ANCHOR_HANDLER, SCAPE_HANDLER, BASIS_HANDLER]
+            handlers += [WEIGHTS_HANDLER, ANCHOR_HANDLER, SCAPE_HANDLER, BASIS_HANDLER, TIED_HANDLER]
         for name in handlers:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(p2p.remove_binary_stream_handler(name), 5.0)

@@ -40,6 +40,12 @@ class Metrics:
         self.outer_rounds: list[dict] = []
         self.outer_alone = 0
         self.checkpoints = 0
+        # the tied tensor's exchange (node.tied): bytes, steps exchanged, steps without the partner's
+        self.tied_bytes_sent = 0
+        self.tied_bytes_received = 0
+        self.tied_exchanged = 0
+        self.tied_missed = 0
+        self.tied_unpaired = 0  # steps that added replicas' gradients without pairing (node.tied)
         # (time.monotonic(), microbatch) of each backward reply sent upstream / step begun
         self.replies_sent: deque[tuple[float, int]] = deque(maxlen=EVENTS_KEPT)
         self.steps_begun: deque[tuple[float, int]] = deque(maxlen=EVENTS_KEPT)

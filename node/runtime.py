@@ -35,6 +35,7 @@ from node.server import ForwardServer
 from node.stages import Stage
 from node.state import StageState
 from node.step import AdamWStep, AnchorStep, Busy, StepGate, Stepper
+from node.tied import TiedExchange, tied_parameter
 from protocol.records import RunRecord
 
 __all__ = ["HANDLER", "Busy", "HopFailed", "StageRuntime", "gone_peers"]
@@ -87,7 +88,7 @@ class StageRuntime(Lifecycle):
         self.hops = HopClient(ctx, self.linkio.parse)
         self.maddrs: list[str] = []
         self.outer = outer  # node.diloco.OuterSync when the run averages replicas
-        self.anchor = self.filter = self.weight_server = self.packet_sink = self.scape = None
+        self.anchor = self.filter = self.weight_server = self.packet_sink = self.scape = self.tied = None
         a = run.anchor
         if cfg.circuit == "anchor":
             self.anchor = AnchorClient(ctx, pull_every=int(a["pull_every"]), rank=int(a["rank"]))
@@ -103,7 +104,13 @@ class StageRuntime(Lifecycle):
             self.state.register("filter", self.filter)
             self.weight_server = WeightServer(ctx)
             self.packet_sink = PacketSink(ctx, self.filter)
-            strategy = AdamWStep(ctx, self.gate, self.opt, self.filter, outer)
+            tied = tied_parameter(ctx)
+            self.tied = (
+                None
+                if tied is None
+                else TiedExchange(ctx, tied, self.hops.deadline(0), self.hops.refresh_routes)
+            )
+            strategy = AdamWStep(ctx, self.gate, self.opt, self.filter, outer, self.tied)
             # SCAPE: AdamS + a sparse sync with the stage's replicas every step, instead of AdamW
             if run.dp.get("mode") == "scape" and cfg.circuit == "fast":
                 self.scape = strategy = ScapeSync(
@@ -114,6 +121,7 @@ class StageRuntime(Lifecycle):
                     float(run.dp.get("timeout", 10.0)),
                 )
                 self.state.register("scape", self.scape)
+                self.tied = None  # SCAPE's AdamS step does not exchange the tied gradient (not built)
         if outer is not None:
             self.state.register("outer", outer)
         checkpoint = None if self.anchor is not None else (lambda: self.state.checkpoint(wait=False))
@@ -170,6 +178,13 @@ class StageRuntime(Lifecycle):
             "idle_streams": m.idle_streams,  # sent nothing within the idle deadline
             "refused_messages": m.refused_messages,  # SCAPE frames refused (stranger, window, budget)
             "filter_s": m.filter_s,
+            "tied": {
+                "bytes_sent": m.tied_bytes_sent,
+                "bytes_received": m.tied_bytes_received,
+                "exchanged": m.tied_exchanged,
+                "missed": m.tied_missed,
+                "unpaired": m.tied_unpaired,
+            },
             "state_pull_bytes": m.state_pull_bytes,
             "outer_rounds": m.outer_rounds,
             "outer_alone": m.outer_alone,

@@ -6,7 +6,8 @@ waits for in-flight microbatches to drain and holds new ones back while it runs 
 ``batch_tokens`` are in, runs this node's strategy with explicit arguments (the step index and
 how many microbatches the gradients sum over):
 
-* ``AdamWStep``: mean, spectral filter (anchor priors), clip, AdamW; DiLoCo outer rounds every H.
+* ``AdamWStep``: mean, the tied tensor's exchange (``node.tied``), spectral filter (anchor priors),
+  clip, AdamW; DiLoCo outer rounds every H.
 * ``node.scape.ScapeSync``: mean, clip, a sparse exchange with the stage's replicas, AdamS.
 * ``AnchorStep``: mean, then the gradients go to the fast peers; no optimizer step.
 
@@ -27,6 +28,7 @@ import torch
 from compression.spectral import SpectralFilter, filter_gradients
 from node.anchors import AnchorClient, fast_peers_of_stage
 from node.context import StageContext
+from node.tied import TiedExchange
 
 log = logging.getLogger("node")
 
@@ -95,21 +97,34 @@ def mean_and_clip(
     microbatches: int,
     clip: float | None,
     before_clip: Callable[[], None] | None = None,
+    tied: tuple[torch.nn.Parameter, torch.Tensor | None] | None = None,
 ) -> bool:
     """Turn summed gradients into their mean over ``microbatches``, then clip them to ``clip``.
 
     ``before_clip`` runs on the mean (the spectral filter). False when the gradient norm is not
     finite: such a gradient must never reach the weights. ``clip=None`` only takes the mean.
+    ``tied``: this stage's copy of a tied tensor and the partner stage's mean gradient of it
+    (``node.tied``), added to ours; the tensor is clipped by its own norm, which both copies
+    share, so the head and the tail clip it alike whatever the rest of their stages hold.
     """
     n = max(microbatches, 1)
     for p in params:
         if p.grad is not None:
             p.grad.div_(n)
+    own = None
+    if tied is not None:
+        own, partner = tied
+        if partner is not None:
+            own.grad = partner.clone() if own.grad is None else own.grad.add_(partner)
     if before_clip is not None:
         before_clip()
     if clip is None:
         return True
-    return bool(torch.isfinite(torch.nn.utils.clip_grad_norm_(params, clip)))
+    rest = [p for p in params if p is not own]
+    ok = bool(torch.isfinite(torch.nn.utils.clip_grad_norm_(rest, clip)))
+    if own is not None:
+        ok = bool(torch.isfinite(torch.nn.utils.clip_grad_norm_([own], clip))) and ok
+    return ok
 
 
 @dataclass
@@ -132,10 +147,12 @@ class AdamWStep:
         opt: torch.optim.Optimizer,
         spectral: SpectralFilter | None,
         outer=None,
+        tied: TiedExchange | None = None,
     ) -> None:
         self.ctx, self.gate, self.opt, self.spectral, self.outer = ctx, gate, opt, spectral, outer
+        self.tied = tied
 
-    def _apply(self, microbatches: int) -> bool:
+    def _apply(self, microbatches: int, tied_partner: torch.Tensor | None = None) -> bool:
         ctx = self.ctx
 
         def spectral_filter() -> None:  # anchor priors: filter, then clip, then AdamW (DESIGN 4.2)
@@ -144,14 +161,19 @@ class AdamWStep:
             ctx.metrics.filter_s += time.perf_counter() - t0
 
         hook = spectral_filter if self.spectral is not None else None
-        ok = mean_and_clip(ctx.params, microbatches, ctx.run.clip, hook)
+        tied = (self.tied.param, tied_partner) if self.tied is not None else None
+        ok = mean_and_clip(ctx.params, microbatches, ctx.run.clip, hook, tied)
         if ok:
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return ok
 
     async def step(self, t: int, microbatches: int) -> StepResult:
-        ok = await self.ctx.compute(self._apply, microbatches)
+        partner = None
+        if self.tied is not None:
+            mean = await self.ctx.compute(self.tied.own_mean, microbatches)
+            partner = await self.tied.exchange(t, mean, self.gate)
+        ok = await self.ctx.compute(self._apply, microbatches, partner)
         await self._maybe_outer_round(t + 1)
         return StepResult(ok, t)
 

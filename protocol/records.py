@@ -143,6 +143,9 @@ class RunRecord:
     # content hash of each stage's config + tensors as stored; model_hash combines them, so a node
     # verifies only the stage it serves (node.model.ModelSource.stage_hash)
     stage_hashes: list[str] = field(default_factory=list)
+    # the model ties its input embedding to lm_head and the run keeps the head's and the tail's
+    # copies tied: they sum their gradients of it every inner step (node.tied)
+    tied: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -184,6 +187,7 @@ class RunRecord:
                 "protocol": int,
                 "key_id": str,
                 "stage_hashes": list,
+                "tied": bool,
             },
         )
         if rec.stage_hashes and not (

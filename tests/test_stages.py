@@ -8,6 +8,8 @@ import torch
 from compression.codec import DenseCodec, LinkContext
 from node.model import load_model, tiny_config
 from node.stages import IGNORE_INDEX, balance_layers, build_stage, causal_lm_loss, default_stage_ranges
+from node.step import mean_and_clip
+from node.tied import partner_gradient, tied_payload
 from protocol.frames import Frame, decode_frame, encode_frame
 
 
@@ -53,6 +55,20 @@ def _pipeline(model, ranges, ids, labels, codec):
     return outs[-1].detach(), loss.detach(), stages
 
 
+def _over_frame(tensors: dict) -> dict:
+    return decode_frame(encode_frame(Frame(kind="tied", run_id="r", step=0, tensors=tensors))).tensors
+
+
+def _exchange_tied(stages) -> None:
+    """What the head and the tail do at their step (node.tied): each adds the other's gradient of the
+    tied tensor, sent as the node sends it (the head's rows, the tail's dense gradient) in a frame."""
+    emb, lm = stages[0].embed_tokens.weight, stages[-1].lm_head.weight
+    to_tail = _over_frame(tied_payload(emb.grad, from_head=True))
+    to_head = _over_frame(tied_payload(lm.grad, from_head=False))
+    mean_and_clip([emb], 1, None, tied=(emb, partner_gradient(to_head, emb, from_head=False)))
+    mean_and_clip([lm], 1, None, tied=(lm, partner_gradient(to_tail, lm, from_head=True)))
+
+
 def _grads_by_full_name(stages, ranges):
     out = {}
     for st, (start, _end) in zip(stages, ranges):
@@ -87,15 +103,15 @@ def test_pipeline_equals_whole_model(n_stages, tie):
     logits, loss, stages = _pipeline(model, ranges, ids, labels, DenseCodec("float32"))
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-6)
+    if tie and n_stages > 1:
+        _exchange_tied(stages)
     grads = _grads_by_full_name(stages, ranges)
     names = {n for n in ref_grads if not (tie and n == "lm_head.weight")}
     assert names <= set(grads) | ({"lm_head.weight"} if tie else set())
     for n in names:
-        g = grads[n]
-        if tie and n == "model.embed_tokens.weight" and n_stages > 1:
-            # untied across stages: the head's and the tail's copies each hold one part of the tied gradient
-            g = g + grads["lm_head.weight"]
-        torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-6, msg=f"gradient of {n}")
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-6, msg=f"gradient of {n}")
+    if tie and n_stages > 1:  # the tail's copy took the same summed gradient, bit for bit
+        assert torch.equal(grads["lm_head.weight"], grads["model.embed_tokens.weight"])
 
 
 def test_bf16_wire_is_close_but_not_exact(tiny_model):

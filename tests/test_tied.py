@@ -1,0 +1,166 @@
+"""Tied embeddings stay tied across processes (issue 14 item 2): one step of a 2-stage swarm
+equals one step of the whole model, and the head's and the tail's copies stay bit-identical."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from node.checkpoint import load_latest
+from node.data import ByteTokenizer, Example, collate, tokenize
+from node.model import tiny_config
+from node.stages import causal_lm_loss, default_stage_ranges
+from node.step import mean_and_clip
+from node.tied import partner_gradient, tied_payload
+from protocol.frames import FrameError
+from tests.conftest import wait_for
+
+LR = 1e-3
+SEQ = 32
+TEXT = "Q: 12+34=\nA: 46"
+
+
+def _join(tmp, name: str, model_dir, data, *extra: str) -> subprocess.Popen:
+    d = tmp / name
+    d.mkdir()
+    cmd = [
+        sys.executable, "-m", "node", "join",
+        "--model", str(model_dir), "--stages", "2", "--run-id", "tied-test",
+        "--codec", "dense", "--wire-dtype", "float32",
+        "--lr", str(LR), "--clip", "1e9", "--seq-len", str(SEQ), "--microbatch", "1",
+        "--batch-tokens", "1", "--max-inflight", "1", "--max-steps", "1", "--checkpoint-every", "1",
+        "--data", str(data), "--threads", "1",
+        "--state-dir", str(d / "state"), "--metrics-file", str(d / "metrics.json"),
+        "--ready-file", str(d / "ready.json"),
+        *extra,
+    ]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=open(d / "out.txt", "w"), stderr=subprocess.STDOUT)
+
+
+def _full_name(name: str, start: int) -> str:
+    if name.startswith("layers."):
+        idx, rest = name.split(".", 2)[1:]
+        return f"model.layers.{start + int(idx)}.{rest}"
+    return name if name.startswith("lm_head") else "model." + name
+
+
+def test_two_stage_swarm_step_equals_whole_model_step(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config(layers=2, tie=True)).float()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)  # tied: stores no lm_head
+    data = tmp_path / "data.txt"
+    data.write_text(TEXT + "\n")  # one example: every microbatch is this one
+
+    procs = [_join(tmp_path, "a", model_dir, data)]
+    try:
+        ready = tmp_path / "a" / "ready.json"
+        wait_for(lambda: ready.exists() or procs[0].poll() is not None, 240, "the first node's ready file")
+        assert ready.exists(), (tmp_path / "a" / "out.txt").read_text()[-3000:]
+        peers = json.loads(ready.read_text())["maddrs"]
+        procs.append(_join(tmp_path, "b", model_dir, data, "--peers", *peers))
+        for p, n in zip(procs, "ab"):
+            assert p.wait(timeout=400) == 0, (tmp_path / n / "out.txt").read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+    metrics = {m["role"]: m for m in (json.loads((tmp_path / n / "metrics.json").read_text()) for n in "ab")}
+    assert set(metrics) == {"head", "tail"}
+    for m in metrics.values():
+        assert m["inner_step"] == 1 and m["tied"]["exchanged"] == 1 and m["tied"]["missed"] == 0
+    # the head sends ids + rows of its batch's tokens, the tail the dense V x H lm_head gradient
+    v, h = model.config.vocab_size, model.config.hidden_size
+    assert metrics["tail"]["tied"]["bytes_sent"] > 4 * v * h > metrics["head"]["tied"]["bytes_sent"]
+
+    # the whole model, one step of AdamW on the same microbatch
+    ids, labels = collate([tokenize(ByteTokenizer(v), Example(TEXT, ""), SEQ)], v - 1)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
+    causal_lm_loss(ref(input_ids=ids).logits, labels)[0].backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+    opt.step()
+    want = dict(ref.named_parameters())
+
+    got: dict[str, list[torch.Tensor]] = {}
+    for n in "ab":
+        m = json.loads((tmp_path / n / "metrics.json").read_text())
+        ck = load_latest(os.path.join(m["state_dir"], "checkpoints", "tied-test", f"stage-{m['stage']}"))
+        assert ck is not None and ck.counters["inner_step"] == 1
+        start = default_stage_ranges(model, 2)[m["stage"]][0]
+        for name, t in ck.stage_state.items():
+            full = _full_name(name, start)
+            got.setdefault("model.embed_tokens.weight" if full == "lm_head.weight" else full, []).append(t)
+    assert set(got) == set(want)
+    for name, tensors in got.items():
+        for t in tensors:
+            torch.testing.assert_close(t, want[name].detach(), rtol=0, atol=1e-5, msg=name)
+    head_copy, tail_copy = got["model.embed_tokens.weight"]
+    assert torch.equal(head_copy, tail_copy)  # the copies stay bit-identical
+    before = model.model.embed_tokens.weight.detach()
+    assert (head_copy - before).abs().max() > 10 * 1e-5  # the step moved them (lr 1e-3, Adam)
+
+
+def _tied_grads():
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(16, 4))
+    dense = torch.randn(16, 4)
+    sparse = torch.zeros(16, 4)
+    sparse[[1, 5, 9]] = torch.randn(3, 4)
+    return p, dense, sparse
+
+
+def test_payload_round_trips_exactly_and_sparse_rows_only():
+    p, dense, sparse = _tied_grads()
+    head = tied_payload(sparse, from_head=True)
+    assert head["ids"].tolist() == [1, 5, 9] and head["rows"].shape == (3, 4)
+    assert torch.equal(partner_gradient(head, p, from_head=True), sparse)
+    assert torch.equal(partner_gradient(tied_payload(dense, from_head=False), p, from_head=False), dense)
+
+
+@pytest.mark.parametrize(
+    "tensors, from_head, match",
+    [
+        ({"grad": torch.zeros(16, 5)}, False, "shape"),
+        ({"grad": torch.zeros(16, 4, dtype=torch.float64)}, False, "float32"),
+        ({"grad": torch.zeros(16, 4), "x": torch.zeros(1)}, False, "one"),
+        ({"ids": torch.tensor([1, 16]), "rows": torch.zeros(2, 4)}, True, r"in \[0, 16\)"),
+        ({"ids": torch.tensor([-1]), "rows": torch.zeros(1, 4)}, True, "in"),
+        ({"ids": torch.tensor([3, 3]), "rows": torch.zeros(2, 4)}, True, "distinct"),
+        ({"ids": torch.tensor([3]), "rows": torch.zeros(2, 4)}, True, "rows"),
+        ({"ids": torch.tensor([3], dtype=torch.int32), "rows": torch.zeros(1, 4)}, True, "int64"),
+        ({"rows": torch.zeros(1, 4)}, True, "'ids'"),
+    ],
+)
+def test_partner_gradient_that_does_not_fit_is_refused(tensors, from_head, match):
+    p, _, _ = _tied_grads()
+    with pytest.raises(FrameError, match=match):
+        partner_gradient(tensors, p, from_head)
+
+
+def test_clip_treats_the_tied_tensor_alike_on_both_sides():
+    """The head's other parameters differ from the tail's (here: a large and a small gradient); the
+    tied tensor is clipped by its own norm on both, so both copies take the same clipped gradient."""
+    torch.manual_seed(1)
+    own_h, own_t = torch.randn(16, 4), torch.randn(16, 4)
+    sides = []
+    for own, partner, other in ((own_h, own_t, 100.0), (own_t, own_h, 0.01)):
+        tied = torch.nn.Parameter(torch.zeros(16, 4))
+        rest = torch.nn.Parameter(torch.zeros(8))
+        tied.grad, rest.grad = own * 2, torch.full((8,), other) * 2  # summed over 2 microbatches
+        assert mean_and_clip([rest, tied], 2, 1.0, tied=(tied, partner.clone()))
+        sides.append((tied.grad, rest.grad))
+    (g_head, r_head), (g_tail, r_tail) = sides
+    assert torch.equal(g_head, g_tail)
+    total = own_h + own_t
+    torch.testing.assert_close(g_head, total / total.norm(), rtol=1e-6, atol=0)  # clipped to norm 1
+    torch.testing.assert_close(r_head.norm(), torch.tensor(1.0))  # the rest by their own norm
+    torch.testing.assert_close(r_tail, torch.full((8,), 0.01))  # under the clip: unchanged
