@@ -50,6 +50,9 @@ included. ``dense_bytes`` is the per-peer traffic of a dense fp32 all-reduce of 
 group of the same size, 2(k-1)/k * 4 * numel. Over a whole group the sums compare exactly:
 sum(bytes_sent) = 2(k-1) * bytes_for(...) + message overhead, sum(dense_bytes) = 8(k-1) numel;
 a single peer's share depends on how hivemind assigns whole 512 KiB parts to reducers.
+
+(Over 400 lines on purpose: the host side and the helper process's side of one round share one
+shared-memory layout and one commit protocol; split, neither half reads on its own.)
 """
 
 from __future__ import annotations

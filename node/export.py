@@ -19,6 +19,9 @@ each stage's inner step.
 Tied embeddings: a model that ties ``embed_tokens`` and ``lm_head`` trains one copy on the
 head and one on the tail. Equal copies export tied; different copies export untied
 (``tie_word_embeddings=False``, both tensors), so the file computes what the swarm computes.
+
+(Over 400 lines: both export forms (live peers, checkpoints) share the assembly, digest checks and
+the atomic Hugging Face directory writer.)
 """
 
 from __future__ import annotations

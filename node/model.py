@@ -4,7 +4,11 @@ Llama-family checkpoint (Llama, Qwen2, Qwen3, Mistral), or a tiny random-init co
 A node reads a checkpoint's config first (``open_model``), estimates its stages' memory from a
 weightless skeleton, and only then loads the tensors of the stage it claimed
 (``ModelSource.load_stage``). Per-stage content hashes are taken from the tensors as stored,
-so each node verifies only what it serves."""
+so each node verifies only what it serves.
+
+(Over 400 lines: every model source a node can serve, and ``ModelSource``'s config-first, one-stage
+loading and per-stage hashes, which the sources share; a split by source is the next step.)
+"""
 
 from __future__ import annotations
 

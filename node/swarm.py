@@ -6,6 +6,9 @@ reported and the run goes on while every stage keeps a live node (`--restart-dea
 with `--resume`). Nodes die with the launcher, even a SIGKILLed one. After the run every
 node is stopped with SIGTERM (SIGKILL to its process group if it hangs) and the report is
 built from the metrics files the nodes write.
+
+(Over 400 lines: the local launcher, its live view, deaths and restarts, and the end-of-run eval and
+export it orchestrates; the report itself is node/report.py.)
 """
 
 from __future__ import annotations
