@@ -181,13 +181,17 @@ def test_handler_known_defects_get_their_code(env, name, seed):
         assert rt.metrics.rejected_frames == rejected + 1
 
 
-@FUZZ
-@given(st.integers(0, 7), mutations, st.booleans())
-def test_handler_mutated_frames(env, base, ops, mutate_prefix):
+def _mutated_frame_is_handled(env, base: int, ops, mutate_prefix: bool) -> None:
     wire = prefixed(apply_mutations(env[2][base], ops))
     if mutate_prefix:
         wire = apply_mutations(wire, ops[:1])
     _assert_sane(_stream(env, wire))
+
+
+@FUZZ
+@given(st.integers(0, 7), mutations, st.booleans())
+def test_handler_mutated_frames(env, base, ops, mutate_prefix):
+    _mutated_frame_is_handled(env, base, ops, mutate_prefix)
 
 
 @FUZZ
@@ -209,10 +213,7 @@ def test_codec_frames_the_fuzzer_starts_from_are_served(codec_env):
 @FUZZ
 @given(st.integers(0, 7), mutations, st.booleans())
 def test_handler_mutated_frames_of_other_codecs(codec_env, base, ops, mutate_prefix):
-    wire = prefixed(apply_mutations(codec_env[2][base], ops))
-    if mutate_prefix:
-        wire = apply_mutations(wire, ops[:1])
-    _assert_sane(_stream(codec_env, wire))
+    _mutated_frame_is_handled(codec_env, base, ops, mutate_prefix)
 
 
 @FUZZ
