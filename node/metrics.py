@@ -45,7 +45,7 @@ class Metrics:
         self.tied_bytes_received = 0
         self.tied_exchanged = 0
         self.tied_missed = 0
-        self.tied_unpaired = 0  # steps that added replicas' gradients without pairing (node.tied)
+        self.tied_unpaired = 0  # steps with replicas on an end stage: no tied exchange (node.tied)
         # (time.monotonic(), microbatch) of each backward reply sent upstream / step begun
         self.replies_sent: deque[tuple[float, int]] = deque(maxlen=EVENTS_KEPT)
         self.steps_begun: deque[tuple[float, int]] = deque(maxlen=EVENTS_KEPT)

@@ -27,12 +27,11 @@ tail's tensor to the heads could).
 
 Replicas: the pairing by step index (and the wait) is for one head and one tail peer, where it is
 exact. With several peers on an end stage the stages step at different rates (a tail fed by two
-heads steps twice as often as each), so there is no step to pair: each side still sends its mean
-gradient to every ready peer of the partner stage after each step, and at its own step adds,
-without waiting, the mean of the newest gradient each partner peer sent since (counted in
-``tied_unpaired``). Every copy then trains on both parts of the gradient, a step late and
-averaged over the partner's replicas, but the copies are not bit-identical; the DiLoCo rounds keep
-each end stage's replicas together.
+heads steps twice as often as each), so there is no step to pair, and an unpaired exchange would
+still cost a dense V x H gradient per step per partner (9 GB in a 40-step demo on loopback, which
+starved the replicas' CPU until their DiLoCo rounds no longer met) without keeping the copies
+equal. So with replicas nothing is exchanged (each skipped step counts in ``tied_unpaired``): the
+copies train apart, as an untied model's would, and export writes them untied.
 """
 
 from __future__ import annotations
@@ -147,6 +146,9 @@ class TiedExchange:
         if not peers:  # routes are refreshed each heartbeat: a partner that just came may be missing
             await self.refresh_routes()
             peers = self._partners()
+        if not self.paired(peers):  # replicas: no step to pair, see the module docstring
+            m.tied_unpaired += 1
+            return None
         payload = await ctx.compute(tied_payload, mean, ctx.is_head)
         frame = Frame(kind="tied", run_id=ctx.run.run_id, step=step, tensors=payload)
         results = await asyncio.gather(
@@ -157,15 +159,14 @@ class TiedExchange:
                 log.info("tied gradient to %s failed: %s", peer[:12], r)
             else:
                 m.tied_bytes_sent += r[1]
-        if not self.paired(peers):
-            return await self._unpaired()
         (partner,) = peers
         deadline = time.monotonic() + self.deadline_s
         await gate.set_refusing(True)
         try:
             while (step, partner) not in self.inbox and time.monotonic() < deadline:
                 if not self.paired(self._partners()):  # a replica came (heartbeat routes): do not wait
-                    return await self._unpaired()
+                    m.tied_unpaired += 1
+                    return None
                 with contextlib.suppress(asyncio.TimeoutError):
                     async with self._arrived:
                         arrived = self._arrived.wait_for(lambda: (step, partner) in self.inbox)
@@ -186,15 +187,6 @@ class TiedExchange:
             grad, self.inbox = self.inbox[(step, partner)], {}  # older ones: steps we gave up on
         m.tied_exchanged += 1
         return grad
-
-    async def _unpaired(self) -> torch.Tensor | None:
-        """The mean of the newest gradient each partner peer sent since our last step, if any."""
-        async with self._arrived:
-            got, self.inbox = list(self.inbox.values()), {}
-        if not got:
-            return None
-        self.ctx.metrics.tied_unpaired += 1
-        return got[0] if len(got) == 1 else torch.stack(got).mean(dim=0)
 
     # ------------------------------------------------------------ receiving side
     async def handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
