@@ -508,6 +508,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--swarm-key", default=None, help="swarm key file given to every node")
     s.add_argument(
+        "--no-rebalance",
+        dest="rebalance",
+        action="store_false",
+        default=None,
+        help="every node stays on the stage it claimed (passed to each node's join)",
+    )
+    s.add_argument(
         "--restart-dead",
         action="store_true",
         help="restart a node that dies with --resume (its checkpoint, then the stage's current "

@@ -45,7 +45,7 @@ from node.state import StageState
 from node.step import StepGate
 from node.tied import TIED_HANDLER, TiedExchange
 from node.wire import raise_accept_backlog
-from protocol.records import StageRecord
+from protocol.records import STAGE_RECORD_BEATS, StageRecord
 
 log = logging.getLogger("node")
 
@@ -134,8 +134,12 @@ class Lifecycle:
         target = choose_move(ctx.routes, ctx.index, ctx.peer_id, circuit, self.move_allowed)
         if target is None:
             return
+        # decide again after one stage-record lifetime (plus jitter): a stage that only looked empty
+        # because its peers' heartbeats ran late on a loaded machine shows them again by then, a
+        # dead peer's record stays gone (a fresh-clone run under load saw a 2+2 swarm become 1+3)
+        recheck_s = rb.jitter() + STAGE_RECORD_BEATS * ctx.cfg.heartbeat_s
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(ctx.stop.wait(), rb.jitter())
+            await asyncio.wait_for(ctx.stop.wait(), recheck_s)
         if ctx.stop.is_set():
             return
         await self.hops.refresh_routes()

@@ -77,6 +77,8 @@ def node_command(
     ]
     # every node gets the run settings; only the first one's are published, the rest verify the model
     cmd += args.run_arg_flags(args)  # set by node.cli's swarm parser
+    if getattr(args, "rebalance", None) is False:
+        cmd += ["--no-rebalance"]
     if circuit != "fast":
         cmd += ["--circuit", circuit]
     if args.swarm_key:

@@ -20,6 +20,9 @@ def test_replicas_average_with_compressed_rounds(tmp_path):
         "5",
         "--powersgd-rank",
         "8",
+        # two replicas per stage are what this test averages: a move (a stage whose records expired
+        # on a loaded machine looks empty) is tested in tests/test_rebalance.py, not here
+        "--no-rebalance",
     )
     outer = rep["outer"]
     assert sorted(len(v) for v in rep["stages"].values()) == [2, 2]

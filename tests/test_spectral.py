@@ -195,6 +195,7 @@ def test_filter_gradients_in_place(grads):
             self.q_proj = nn.Linear(7, 12)  # weight (12, 7)
             self.norm = nn.LayerNorm(12, bias=False)
 
+    torch.manual_seed(0)  # the module's init and the gradients: the same case every run
     m = Attn()
     m.q_proj.weight.grad = torch.randn(12, 7)
     m.q_proj.bias.grad = torch.randn(12)
@@ -206,6 +207,7 @@ def test_filter_gradients_in_place(grads):
     _warm(f, anchors, "q_proj.weight")
     assert filter_gradients(f, m.named_parameters()) == 1
     want = _reference(anchors, before["q_proj.weight"], 0.3, 1e-3, 0.95)
-    torch.testing.assert_close(m.q_proj.weight.grad, want, rtol=1e-4, atol=1e-9)
+    # fp32 SVD rounding: 1e-7 absolute on entries of ~1e-3 (an entry near zero failed rtol alone)
+    torch.testing.assert_close(m.q_proj.weight.grad, want, rtol=1e-4, atol=1e-6)
     assert torch.equal(m.q_proj.bias.grad, before["q_proj.bias"])
     assert torch.equal(m.norm.weight.grad, before["norm.weight"])

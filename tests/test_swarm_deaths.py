@@ -50,7 +50,9 @@ def _kill_all(pids) -> None:
 def test_dead_node_is_reported_and_restarted_and_the_run_finishes(tmp_path):
     out = open(tmp_path / "swarm.log", "w")
     launcher = subprocess.Popen(
-        [*SWARM, "--nodes", "3", "--stages", "2", "--steps", "80", "--lr", "1e-3", "--restart-dead",
+        # 160 tail steps: the restarted node (30-40 s of start-up on two loaded cores) must come back
+        # before the run ends (80 ended first once under load)
+        [*SWARM, "--nodes", "3", "--stages", "2", "--steps", "160", "--lr", "1e-3", "--restart-dead",
          "--report", str(tmp_path), "--timeout", "400"],
         stdout=out,
         stderr=subprocess.STDOUT,
