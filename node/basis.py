@@ -1,13 +1,14 @@
 """Fixed link bases (the PCA codec): calibrate once, publish through the swarm, fetch on demand.
 
-The node that starts a run holds the whole pretrained model, so it calibrates the basis of
-every boundary from the run's data (the activations of the untouched pretrained weights,
-as in the reference measurement) and serves it. Every node that later holds a basis
-announces itself in the DHT (``vnode.<run>.basis.<boundary>``, subkey = peer id) and serves
-it too, so no node is special once the swarm is up. A basis travels once per node and
-boundary; its bytes are counted as a one-time cost. Frames name the basis version they
-were encoded with, and a receiver that lacks that version fetches it before decoding:
-never decoding with the wrong one.
+The node that starts a run calibrates the basis of every boundary from the run's data (the
+activations of the untouched pretrained weights, as in the reference measurement) and serves it.
+It walks the model one stage at a time (``calibrate_stagewise``): a model larger than its RAM
+calibrates with one stage's weights and the calibration activations in memory. Every node that
+later holds a basis announces itself in the DHT (``vnode.<run>.basis.<boundary>``, subkey = peer
+id) and serves it too, so no node is special once the swarm is up. A basis travels once per node
+and boundary; its bytes are counted as a one-time cost. Frames name the basis version they were
+encoded with, and a receiver that lacks that version fetches it before decoding: never decoding
+with the wrong one.
 """
 
 from __future__ import annotations
@@ -54,20 +55,29 @@ def real_tokens(ids: torch.Tensor, pad_id: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def calibrate(model, ranges: list[list[int]], batches, k: int, pad_id: int, max_tokens: int = 8192) -> list:
-    """(mean, V) of every boundary's activations over the real tokens of ``batches``."""
-    samples: list[list[torch.Tensor]] = [[] for _ in range(len(ranges) - 1)]
-    seen = 0
+def calibrate_stagewise(
+    load_stage, ranges: list[list[int]], batches, k: int, pad_id: int, max_tokens: int = 8192
+) -> list:
+    """(mean, V) of every boundary's activations over the real tokens of ``batches``, one stage at a time.
+
+    ``load_stage(i)`` returns stage ``i`` of ``ranges`` (``node.stages.Stage``); each is run on
+    every calibration batch, its outputs kept as the next stage's inputs, and dropped before the
+    next is loaded. The last stage is never loaded: no boundary follows it.
+    """
+    inputs, masks, seen = [], [], 0
     for ids, _labels in batches:
-        out = model(input_ids=ids, output_hidden_states=True)
-        keep = real_tokens(ids, pad_id)
-        for b in range(len(ranges) - 1):
-            # hidden_states[i] is the residual stream entering layer i = leaving layer i-1
-            samples[b].append(out.hidden_states[ranges[b][1]][keep].float())
-        seen += int(keep.sum())
+        inputs.append(ids)
+        masks.append(real_tokens(ids, pad_id))
+        seen += int(masks[-1].sum())
         if seen >= max_tokens:
             break
-    return [fit_basis(torch.cat(s), k) for s in samples]
+    fitted = []
+    for b in range(len(ranges) - 1):
+        stage = load_stage(b)
+        inputs = [stage(x) for x in inputs]
+        del stage
+        fitted.append(fit_basis(torch.cat([h[m].float() for h, m in zip(inputs, masks)]), k))
+    return fitted
 
 
 class BasisStore:

@@ -15,7 +15,7 @@ import zlib
 
 import torch
 
-from node.basis import BASIS_VERSION, BasisStore, BasisUnavailable, calibrate
+from node.basis import BASIS_VERSION, BasisStore, BasisUnavailable, calibrate_stagewise
 from node.checkpoint import newest_for_run
 from node.config import NodeConfig
 from node.data import ByteTokenizer, as_plain_text, load_examples, microbatches
@@ -110,15 +110,16 @@ def needs_basis(run: RunRecord) -> bool:
     return run.codec.get("codec") in ("pca", "pcamask")
 
 
-def calibrate_bases(cfg: NodeConfig, run: RunRecord, model, tok) -> list:
-    """Basis payloads (version 1) of every boundary, from the run's data through the pretrained model."""
-    tok = tok or ByteTokenizer(model.config.vocab_size)
+def calibrate_bases(cfg: NodeConfig, run: RunRecord, source: ModelSource, tok) -> list:
+    """Basis payloads (version 1) of every boundary, from the run's data through the pretrained
+    model, loaded one stage at a time (fp32 on the CPU, as the whole model was)."""
+    tok = tok or ByteTokenizer(source.config.vocab_size)
     examples = load_examples(cfg.data, seed=run.seed)
     batches = microbatches(examples, tok, run.microbatch, run.seq_len, seed=run.seed)
     t0 = time.monotonic()
     log.info("calibrating the link bases of %d boundaries (once per run)...", len(run.stages) - 1)
-    fitted = calibrate(
-        model,
+    fitted = calibrate_stagewise(
+        lambda i: source.load_stage(run.stages, i, torch.device("cpu"), torch.float32),
         run.stages,
         batches,
         k=run.codec["k"],
@@ -270,11 +271,9 @@ def run_join(cfg: NodeConfig) -> int:
         bases = None
         if needs_basis(run):
             bases = BasisStore(run.run_id, dht, peer_id, timeout=cfg.join_timeout)
-            if run_is_new:  # the starter calibrates every boundary through the whole pretrained model
-                whole = source.load_whole()
-                for b, payload in enumerate(calibrate_bases(cfg, run, whole, tok)):
+            if run_is_new:  # the starter calibrates every boundary, one stage of the model at a time
+                for b, payload in enumerate(calibrate_bases(cfg, run, source, tok)):
                     bases.add(b, payload)
-                del whole
                 publish_run_record(dht, run)  # calibrating may outlast its lifetime
         # a node that chose its stage itself may move later; --stage N pins it (a resumed node
         # goes back to its checkpoint's stage first, and may move from there)
