@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from node.swarm import read_metrics, tail_steps
 from tests.conftest import wait_for
 
@@ -49,16 +47,13 @@ def _kill_all(pids) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-# slow: in 2 of 3 fresh-clone suite runs on 2 loaded cores the run ended before the restarted node
-# served (also at 160 steps); the restart-timing race is not understood yet, so it runs from
-# benchmarks (`pytest -m slow tests/test_swarm_deaths.py`), not in CI
-@pytest.mark.slow
-def test_dead_node_is_reported_and_restarted_and_the_run_finishes(tmp_path):
+def test_dead_node_is_reported_and_restarted_and_the_run_goes_on(tmp_path):
     out = open(tmp_path / "swarm.log", "w")
     launcher = subprocess.Popen(
-        # 160 tail steps: the restarted node (30-40 s of start-up on two loaded cores) must come back
-        # before the run ends (80 ended first once under load)
-        [*SWARM, "--nodes", "3", "--stages", "2", "--steps", "160", "--lr", "1e-3", "--restart-dead",
+        # no step target to race: the run goes on until this test has seen the restarted node serve
+        # (a fixed --steps ended first whenever training outran the restart's start-up under load),
+        # then it stops the launcher as a user's Ctrl-C does
+        [*SWARM, "--nodes", "3", "--stages", "2", "--steps", "1000000", "--lr", "1e-3", "--restart-dead",
          "--report", str(tmp_path), "--timeout", "400"],
         stdout=out,
         stderr=subprocess.STDOUT,
@@ -71,22 +66,28 @@ def test_dead_node_is_reported_and_restarted_and_the_run_finishes(tmp_path):
         pids = _descendants(launcher.pid)
         os.kill(_node_pid(launcher.pid, victim), signal.SIGKILL)
 
-        def served_again():  # the restarted life's metrics (the dead one's were kept aside)
-            path = tmp_path / "nodes" / str(victim) / "metrics.json"
-            return path.exists() and json.loads(path.read_text())["microbatches"] > 0
+        def served_again():  # the restarted life's metrics: the launcher kept the dead life's aside first
+            d = tmp_path / "nodes" / str(victim)
+            if not (d / "metrics.0.json").exists() or not (d / "metrics.json").exists():
+                return False
+            return json.loads((d / "metrics.json").read_text())["microbatches"] > 0
 
         wait_for(lambda: served_again() or launcher.poll() is not None, 240, "the restarted node to serve")
-        assert served_again(), "the run ended before the restarted node served"
-        launcher.wait(timeout=400)
+        assert launcher.poll() is None, "the launcher stopped before the restarted node served"
+        launcher.send_signal(signal.SIGINT)
+        launcher.wait(timeout=120)
     finally:
         if launcher.poll() is None:
             launcher.kill()
         _kill_all(pids + _descendants(launcher.pid))
     log = (tmp_path / "swarm.log").read_text()
-    assert launcher.returncode == 0, log[-3000:]
+    assert launcher.returncode == 130 and "interrupted; stopping the swarm" in log, log[-3000:]
     assert f"node {victim} (stage {stages[victim]}) died (code -9)" in log, log[-3000:]
     assert f"restarting node {victim} with --resume" in log, log[-3000:]
     assert (tmp_path / "nodes" / str(victim) / "node.0.log").exists()  # the dead life's log is kept
+    # the report still comes out, and counts the restarted life's work
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert sum(m["microbatches"] for m in rep["nodes"] if m["stage"] == stages[victim]) > 0
 
 
 def _ready(report: Path, i: int) -> dict:
