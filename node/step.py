@@ -180,7 +180,7 @@ class AdamWStep:
     async def _maybe_outer_round(self, step: int) -> None:
         """Every H inner steps, average pseudo-gradients with the stage's live replicas (DESIGN 4.3)."""
         ctx = self.ctx
-        every = int(ctx.run.outer["every"])
+        every = ctx.run.outer.every
         if self.outer is None or step % every:
             return
         if not fast_peers_of_stage(ctx):  # alone on the stage: nobody to average with
