@@ -3,16 +3,14 @@ builds the CLI and the command lines of other nodes from them; nothing else read
 
 The run's fields take their defaults from the run record's (``run_opt``: ``protocol.records.RunRecord``
 and its typed parts in ``protocol.settings``), so each default is written once; ``run_parts``
-turns them into the record's parts and ``with_run`` back.
-
-(Over 400 lines: one field per setting, each with the help text of its flag.)
+turns them into the record's parts.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +38,12 @@ def opt(
     resolved: bool = False,
 ):
     """A NodeConfig field with its flag: ``flag`` defaults to --field-name; ``append``: repeatable;
-    ``resolved``: left None on the command line and resolved after parsing (see node.cli.main)."""
-    meta = {"help": help, "group": group, "flag": flag, "choices": choices, "append": append, "run": run}
-    meta["resolved"] = resolved
-    return field(default=default, default_factory=factory, metadata=meta)
+    ``run``: the run record field it fills (see ``run_opt``); ``resolved``: left None on the command
+    line and resolved after parsing (see node.cli.main)."""
+    meta = {"help": help, "group": group, "flag": flag, "choices": choices, "append": append}
+    return field(
+        default=default, default_factory=factory, metadata={**meta, "run": run, "resolved": resolved}
+    )
 
 
 _RECORD_DEFAULTS = {f.name: f.default for f in fields(RunRecord) if f.default is not MISSING}
@@ -58,18 +58,7 @@ def run_opt(path: str, *, help: str, group: str = RUN, resolved: bool = False, c
         default, choices = f.default, choices or f.metadata["choices"] or None
     else:
         default = _RECORD_DEFAULTS[name]
-    return field(
-        default=default,
-        metadata={
-            "help": help,
-            "group": group,
-            "flag": None,
-            "choices": choices,
-            "append": False,
-            "run": path,
-            "resolved": resolved,
-        },
-    )
+    return opt(default, help=help, group=group, choices=choices, run=path, resolved=resolved)
 
 
 @dataclass
@@ -383,15 +372,6 @@ def run_parts(cfg: NodeConfig) -> dict[str, Any]:
         part, _, name = f.metadata["run"].rpartition(".")
         (parts[part] if part else top)[name] = getattr(cfg, f.name)
     return {**top, **{name: PARTS[name](**kw) for name, kw in parts.items()}}
-
-
-def with_run(cfg: NodeConfig, run: RunRecord) -> NodeConfig:
-    """``cfg`` with its run fields taken from ``run`` (the inverse of ``run_parts``)."""
-    kw = {}
-    for f in _run_fields():
-        part, _, name = f.metadata["run"].rpartition(".")
-        kw[f.name] = getattr(getattr(run, part), name) if part else getattr(run, name)
-    return replace(cfg, **kw)
 
 
 # every part field has exactly one config field (a new part field without one fails at import)
