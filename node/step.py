@@ -151,6 +151,7 @@ class AdamWStep:
     ) -> None:
         self.ctx, self.gate, self.opt, self.spectral, self.outer = ctx, gate, opt, spectral, outer
         self.tied = tied
+        self.last_round: int | None = None  # the stage round this replica took last (None: not yet known)
 
     def _apply(self, microbatches: int, tied_partner: torch.Tensor | None = None) -> bool:
         ctx = self.ctx
@@ -174,28 +175,58 @@ class AdamWStep:
             mean = await self.ctx.compute(self.tied.own_mean, microbatches)
             partner = await self.tied.exchange(t, mean, self.gate)
         ok = await self.ctx.compute(self._apply, microbatches, partner)
+        # step t is taken: announce t + 1 before a round, so the replicas still short of the
+        # boundary see from this record that the stage's round has begun (outer_round_due)
+        self.ctx.inner_step = t + 1
         await self._maybe_outer_round(t + 1)
         return StepResult(ok, t)
 
     async def _maybe_outer_round(self, step: int) -> None:
-        """Every H inner steps, average pseudo-gradients with the stage's live replicas (DESIGN 4.3)."""
+        """Average pseudo-gradients with the stage's live replicas once per stage round (DESIGN 4.3)."""
         ctx = self.ctx
         every = ctx.run.outer.every
-        if self.outer is None or step % every:
+        if self.outer is None or every <= 0:
             return
-        if not fast_peers_of_stage(ctx):  # alone on the stage: nobody to average with
+        peers = fast_peers_of_stage(ctx)
+        steps = [r.inner_step for r in peers.values()]
+        if self.last_round is None:
+            # first look (a fresh start, a resume, a joiner that adopted the last round's outer state):
+            # rounds from the next boundary on, not one its replicas are already past
+            self.last_round = max([step - 1, *steps]) // every
+        due = outer_round_due(step, steps, every, self.last_round)
+        if due is None:
+            return
+        self.last_round = due
+        if not peers:  # alone on the stage: nobody to average with
             ctx.metrics.outer_alone += 1
             return
         # Replicas meet only if the others can reach their round while we wait in ours: turn
         # microbatches away (upstream retries them on another replica) instead of holding them.
+        log.debug("outer round %d at inner step %d (replicas at %s)", due, step, steps)
+        t0 = time.time()
         await self.gate.set_refusing(True)
         try:
-            stats = await ctx.compute(self.outer.round, step // every)
+            stats = await ctx.compute(self.outer.round, due)
         finally:
             await self.gate.set_refusing(False)
-        ctx.metrics.outer_rounds.append(stats.as_dict())
+        ctx.metrics.outer_rounds.append({**stats.as_dict(), "step": step, "peer_steps": steps, "started": t0})
         if stats.skipped:
             log.info("outer round %d skipped: %s", stats.round, stats.reason)
+
+
+def outer_round_due(own_step: int, peer_steps: list[int], every: int, last_round: int) -> int | None:
+    """The stage round to take now, or None.
+
+    Rounds follow the stage's furthest replica (the inner step its stage record announces), not
+    this replica's own count. Replicas step at different rates (two heads share the same tails; a
+    volunteer's GPU is slower than another's), so each one's own step-H boundary comes at a
+    different time, and the first there waits out the round's timeout alone; following the
+    furthest, the slower replicas join the round it is in within a heartbeat. DiLoCo's
+    pseudo-gradient is the distance from the last outer model, so a replica that took fewer inner
+    steps since then still contributes a valid (shorter) one.
+    """
+    r = max([own_step, *peer_steps]) // every
+    return r if r > last_round else None
 
 
 class AnchorStep:

@@ -42,27 +42,27 @@ def _swarm(tmp, name, *extra, steps=12, stages=2, nodes=2, model="tiny:2:640", c
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("links")
-    return {
-        # per-microbatch bases (k = 32 of H = 640): 512-token frames carry their own basis
-        "lowrank": _swarm(tmp, "lowrank", "--codec", "lowrank", "--codec-k", "32", codec=None),
-        # M95 with one anchor per stage: the fast links' bytes are counted apart from the anchors'
-        "mask": _swarm(
-            tmp,
-            "mask",
-            "--codec",
-            "mask",
-            "--mask-rate",
-            "0.95",
-            "--anchors",
-            "1",
-            "--anchor-pull-every",
-            "4",
-        ),
-        # no --codec: the default a user gets (PCA, k = 96, int8)
-        "pca": _swarm(tmp, "pca", stages=3, nodes=3, model="tiny:3:640", codec=None),
-    }
+def links_tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("links")
+
+
+@pytest.fixture(scope="module")
+def lowrank_run(links_tmp):
+    # per-microbatch bases (k = 32 of H = 640): 512-token frames carry their own basis
+    return _swarm(links_tmp, "lowrank", "--codec", "lowrank", "--codec-k", "32", codec=None)
+
+
+@pytest.fixture(scope="module")
+def mask_run(links_tmp):
+    # M95 with one anchor per stage: the fast links' bytes are counted apart from the anchors'
+    mask = ("--codec", "mask", "--mask-rate", "0.95")
+    return _swarm(links_tmp, "mask", *mask, "--anchors", "1", "--anchor-pull-every", "4")
+
+
+@pytest.fixture(scope="module")
+def pca_run(links_tmp):
+    # no --codec: the default a user gets (PCA, k = 96, int8)
+    return _swarm(links_tmp, "pca", stages=3, nodes=3, model="tiny:3:640", codec=None)
 
 
 def _unigram_entropy() -> float:
@@ -82,8 +82,8 @@ def _bpt(rep):
 DENSE_BPT = 2 * 640  # bf16, H = 640 (a dense swarm's measured bytes: tests/test_swarm.py)
 
 
-def test_m95_sends_at_most_a_nineteenth_of_dense(runs):
-    mask = _bpt(runs["mask"])
+def test_m95_sends_at_most_a_nineteenth_of_dense(mask_run):
+    mask = _bpt(mask_run)
     assert set(mask) == {(0, "forward"), (0, "backward")}
     for key in mask:
         # H = 640, K = 32 kept channels in bf16 = 64 B/token; dense bf16 = 1280 B/token (+ header, labels)
@@ -91,10 +91,11 @@ def test_m95_sends_at_most_a_nineteenth_of_dense(runs):
         assert 64 <= mask[key] < 64 + 8
 
 
-def test_lowrank_swarm_trains_and_pays_each_frames_basis(runs):
+@pytest.mark.slow  # a third swarm; the codec's frame bytes are checked in tests/test_lowrank.py
+def test_lowrank_swarm_trains_and_pays_each_frames_basis(lowrank_run):
     from compression.lowrank import LowRankCodec
 
-    rep = runs["lowrank"]
+    rep = lowrank_run
     loss = rep["loss"]
     assert sum(loss[-3:]) / 3 < 0.9 * sum(loss[:3]) / 3
     codec = LowRankCodec(k=32)
@@ -106,8 +107,8 @@ def test_lowrank_swarm_trains_and_pays_each_frames_basis(runs):
         assert bpt * 10 <= DENSE_BPT
 
 
-def test_masked_swarm_with_anchors_trains_and_counts_anchor_bytes(runs):
-    rep = runs["mask"]
+def test_masked_swarm_with_anchors_trains_and_counts_anchor_bytes(mask_run):
+    rep = mask_run
     loss = rep["loss"]
     assert len(loss) >= 12
     # trained, not noise: an untrained tiny model sits at ln(512) = 6.24 nats; the last three steps
@@ -126,8 +127,8 @@ def test_masked_swarm_with_anchors_trains_and_counts_anchor_bytes(runs):
     assert all(m["anchor_packets_received"] > 0 for m in fast_nodes)
 
 
-def test_pca_swarm_trains_and_counts_basis_bytes(runs):
-    rep = runs["pca"]
+def test_pca_swarm_trains_and_counts_basis_bytes(pca_run):
+    rep = pca_run
     loss = rep["loss"]
     assert sum(loss[-3:]) / 3 < 0.9 * sum(loss[:3]) / 3
     # each of the two non-starting nodes fetched the basis of each boundary it touches

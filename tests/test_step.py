@@ -6,7 +6,7 @@ import asyncio
 import pytest
 import torch
 
-from node.step import Busy, StepGate, mean_and_clip
+from node.step import Busy, StepGate, mean_and_clip, outer_round_due
 
 
 def _summed_grads(model: torch.nn.Module, batches: list[torch.Tensor]) -> None:
@@ -133,3 +133,44 @@ def test_refusing_gate_turns_work_away_at_once():
         await gate.enter(0.5)
 
     _run(main())
+
+
+def _simulate_rounds(rates: list[float], every: int, ticks: int, follow: bool) -> list[dict[int, int]]:
+    """Replicas stepping at ``rates`` steps per tick, each seeing the others' step of one tick ago
+    (a heartbeat); per replica, round index -> the tick it entered that round."""
+    pos = [0.0] * len(rates)
+    seen = [0] * len(rates)  # what each replica's stage record announced last tick
+    last = [0] * len(rates)
+    entered: list[dict[int, int]] = [{} for _ in rates]
+    for tick in range(ticks):
+        announced = list(seen)
+        for i, rate in enumerate(rates):
+            before = int(pos[i])
+            pos[i] += rate
+            if int(pos[i]) == before:
+                continue  # no inner step finished this tick: no look at the rounds
+            peers = [s for j, s in enumerate(announced) if j != i] if follow else []
+            due = outer_round_due(int(pos[i]), peers, every, last[i])
+            if due is not None:
+                last[i] = due
+                entered[i][due] = tick
+        seen = [int(p) for p in pos]
+    return entered
+
+
+def test_replicas_at_different_rates_enter_each_round_together():
+    # two heads that share the same tails: one gets twice the other's microbatches
+    fast, slow = _simulate_rounds([1.0, 0.5], every=5, ticks=62, follow=True)
+    assert sorted(fast) == list(range(1, 13)) and sorted(slow) == sorted(fast)
+    # the slower replica enters the round the faster one is in, a heartbeat plus a step later
+    assert all(0 <= slow[r] - fast[r] <= 2 for r in fast), (fast, slow)
+    # each replica's own count alone: the slow one reaches round r at twice the fast one's tick
+    fast, slow = _simulate_rounds([1.0, 0.5], every=5, ticks=60, follow=False)
+    assert max(slow[r] - fast[r] for r in slow) > 10
+
+
+def test_equal_rates_take_each_round_once_and_a_lone_replica_keeps_its_cadence():
+    a, b = _simulate_rounds([1.0, 1.0], every=4, ticks=40, follow=True)
+    assert a == b and sorted(a) == list(range(1, 11))
+    (alone,) = _simulate_rounds([1.0], every=4, ticks=40, follow=True)
+    assert alone == {r: 4 * r - 1 for r in range(1, 11)}
