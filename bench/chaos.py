@@ -40,8 +40,10 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from node.argv import config_from_args, config_to_argv
 from node.checkpoint import FAULT_ENV, list_checkpoints, load_checkpoint, newest_for_run
-from node.cli import build_parser, config_from_args
+from node.cli import build_parser
+from node.config import NodeConfig
 from node.swarm import (
     SwarmError,
     kill_group,
@@ -683,26 +685,18 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench.chaos " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
     )
+    # the swarm's run flags and --hop-timeout are join's: written from a config (codec pinned)
+    node = NodeConfig(
+        stages=opts.stages,
+        model=opts.model,
+        codec=opts.codec,
+        lr=opts.lr,
+        seed=opts.seed,
+        hop_timeout=opts.hop_timeout,
+    )
     swarm_args = build_parser().parse_args(
-        [
-            "swarm",
-            "--nodes",
-            str(opts.nodes),
-            "--stages",
-            str(opts.stages),
-            "--model",
-            opts.model,
-            "--codec",
-            opts.codec,
-            "--lr",
-            str(opts.lr),
-            "--seed",
-            str(opts.seed),
-            "--hop-timeout",
-            str(opts.hop_timeout),
-            "--threads-per-node",
-            "1",
-        ]
+        ["swarm", "--nodes", str(opts.nodes), "--threads-per-node", "1"]
+        + config_to_argv(node, always=("stages", "model", "codec", "lr", "seed", "hop_timeout"))
     )
 
     def _interrupt(signum, frame):

@@ -96,6 +96,9 @@ def make_runtime(hop_timeout: float = 2.0, codec: str = "dense", bans: bool = Fa
         hidden=HIDDEN,
         stages=ranges,
         codec=desc,
+        # the limits the defect table is written against (a batch of 5 is over them)
+        microbatch=4,
+        batch_tokens=1024,
     )
     cfg = NodeConfig(run_id=RUN_ID, hop_timeout=hop_timeout, max_inflight=4)
     rt = StageRuntime(cfg, run, 1, stage, None, "QmTest")

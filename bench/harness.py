@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.netns import NetnsUnavailable, Topology, check_support, leftover_namespaces, parse_rate
+from node.argv import config_to_argv
+from node.config import NodeConfig
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -114,67 +116,38 @@ def join_command(
     peers: list[str],
     wait_peers: int,
 ) -> list[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "node",
-        "join",
-        "--host",
-        topo.addr(ns_index),
-        "--port",
-        str(PORT),
-        "--run-id",
-        run_id,
-        "--stage",
-        str(stage),
-        "--state-dir",
-        str(nodedir),
-        "--metrics-file",
-        str(nodedir / "metrics.json"),
-        "--ready-file",
-        str(nodedir / "ready.json"),
-        "--threads",
-        "1",
-        "--device",
-        "cpu",
-        "--data",
-        str(data),
-        "--max-inflight",
-        str(a.max_inflight),
-        "--hop-timeout",
-        str(a.hop_timeout),
-        "--heartbeat",
-        str(a.heartbeat),
-        "--wait-peers",
-        str(wait_peers),
-        "--join-timeout",
-        "120",
-        "--p2pd-timeout",
-        "60",
+    cfg = NodeConfig(
+        host=topo.addr(ns_index),
+        port=PORT,
+        run_id=run_id,
+        stage=str(stage),
+        circuit=circuit,
+        state_dir=str(nodedir),
+        metrics_file=str(nodedir / "metrics.json"),
+        ready_file=str(nodedir / "ready.json"),
+        threads=1,
+        device="cpu",
+        data=str(data),
+        max_inflight=a.max_inflight,
+        hop_timeout=a.hop_timeout,
+        heartbeat_s=a.heartbeat,
+        wait_peers=wait_peers,
+        join_timeout=120,
+        p2pd_timeout=60,
         # run settings: every node gets them, node 0 publishes them, the rest verify the model
-        "--model",
-        model_spec(a),
-        "--stages",
-        str(a.stages),
-        "--codec",
-        v.codec,
-        "--mask-rate",
-        str(v.mask_rate or 0.95),
-        "--wire-dtype",
-        a.wire_dtype,
-        "--seq-len",
-        str(a.seq_len),
-        "--microbatch",
-        str(a.microbatch),
-        "--batch-tokens",
-        str(a.batch_tokens),
-        "--seed",
-        str(a.seed),
-        "--lr",
-        str(a.lr),
-    ]
-    if circuit != "fast":
-        cmd += ["--circuit", circuit]
+        model=model_spec(a),
+        stages=a.stages,
+        codec=v.codec,
+        mask_rate=v.mask_rate or 0.95,
+        wire_dtype=a.wire_dtype,
+        seq_len=a.seq_len,
+        microbatch=a.microbatch,
+        batch_tokens=a.batch_tokens,
+        seed=a.seed,
+        lr=a.lr,
+    )
+    pinned = ("model", "stages", "codec", "mask_rate", "wire_dtype", "seq_len", "microbatch", "batch_tokens")
+    cmd = [sys.executable, "-m", "node", "join", *config_to_argv(cfg, always=(*pinned, "seed", "lr"))]
     cmd += shlex.split(a.node_args or "")
     if peers:
         cmd += ["--peers", *peers]

@@ -24,9 +24,9 @@ import hashlib
 import logging
 
 import torch
-from hivemind.p2p import PeerID
 
 from compression.spectral import is_target_matrix
+from node import rpc
 from node.transport import close_quietly
 from node.wire import IDLE_S
 from protocol.frames import (
@@ -72,26 +72,6 @@ def factorize(grad: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor
 
 def chunks(items: list, n: int) -> list[list]:
     return [items[i : i + n] for i in range(0, len(items), n)]
-
-
-async def _request(rt, peer: str, handler: str, frame: Frame, timeout: float) -> tuple[list[Frame], int]:
-    """Send one frame, read reply frames until one is marked last; returns them and the bytes sent."""
-    _, reader, writer = await asyncio.wait_for(
-        rt.p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler), timeout
-    )
-    out = []
-    try:
-        sent = await rt.wire.send(writer, encode_frame(frame), timeout)
-        while True:
-            reply = decode_frame(await rt.wire.recv(reader, MAX_FRAME_BYTES, timeout), run_id=rt.run.run_id)
-            if reply.kind == "error":
-                raise FrameError(str(reply.meta.get("message", "error")))
-            out.append(reply)
-            if reply.meta.get("last"):
-                break
-    finally:
-        close_quietly(writer)
-    return out, sent
 
 
 class WeightServer:
@@ -210,7 +190,7 @@ class PacketSink:
             if not isinstance(e, NotAnAnchor) and rt.wire.bans.record_bad(sender):
                 log.warning("banning %s for repeated refused anchor packets (last: %s)", sender[:12], e)
             log.info("anchor packet from %s refused: %s", sender[:12], e)
-            try:  # the anchor logs why (node.anchors._request raises the message)
+            try:  # the anchor logs why (node.rpc.request raises the message)
                 await rt.wire.send(writer, encode_frame(error_frame(rt.run.run_id, e)), rt.cfg.hop_timeout)
             except Exception as e2:  # the sender went away
                 log.debug("anchor refusal not delivered: %s", e2)
@@ -258,7 +238,16 @@ async def pull_weights(rt) -> tuple[int, int] | None:
     for peer, _ in peers:
         try:
             request = Frame(kind="weights", run_id=rt.run.run_id)
-            frames, _ = await _request(rt, peer, WEIGHTS_HANDLER, request, rt.cfg.hop_timeout * 4)
+            frames, _, _ = await rpc.request(
+                rt.p2p,
+                rt.wire,
+                peer,
+                WEIGHTS_HANDLER,
+                request,
+                rt.cfg.hop_timeout * 4,
+                rt.run.run_id,
+                stream=True,
+            )
             named = {k: v for f in frames for k, v in f.tensors.items()}
             own = dict(rt.stage.named_parameters())
             if set(named) != set(own) or any(named[k].shape != own[k].shape for k in own):
@@ -342,7 +331,16 @@ class AnchorClient:
                     meta={"names": pk["names"]},
                 )
                 try:
-                    _, sent = await _request(rt, peer, ANCHOR_HANDLER, frame, rt.cfg.hop_timeout)
+                    _, sent, _ = await rpc.request(
+                        rt.p2p,
+                        rt.wire,
+                        peer,
+                        ANCHOR_HANDLER,
+                        frame,
+                        rt.cfg.hop_timeout,
+                        rt.run.run_id,
+                        stream=True,
+                    )
                     self.packet_bytes += sent
                 except (FrameError, asyncio.TimeoutError, OSError, ConnectionError) as e:
                     log.info("anchor packet to %s failed: %s", peer[:12], e)

@@ -19,14 +19,14 @@ import logging
 import random
 
 import torch
-from hivemind.p2p import PeerID
 
 from compression.codec import Payload
 from compression.pca import fit_basis
 from node.membership import dht_call
+from node.rpc import request
 from node.transport import close_quietly
 from node.wire import Wire
-from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame, error_frame
+from protocol.frames import Frame, FrameError, decode_frame, encode_frame, error_frame
 from protocol.records import RecordError, basis_key
 
 log = logging.getLogger("node")
@@ -187,20 +187,14 @@ class BasisStore:
         random.shuffle(holders)
         for peer, want in holders:
             try:
-                _, reader, writer = await asyncio.wait_for(
-                    self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), HANDLER), self.timeout
+                req = Frame(kind="basis", run_id=self.run_id, boundary=boundary, basis_version=version)
+                (reply,), _, nbytes = await request(
+                    self.p2p, self.wire, peer, HANDLER, req, self.timeout, self.run_id
                 )
-                try:
-                    req = Frame(kind="basis", run_id=self.run_id, boundary=boundary, basis_version=version)
-                    await self.wire.send(writer, encode_frame(req), self.timeout)
-                    data = await self.wire.recv(reader, MAX_FRAME_BYTES, self.timeout)
-                finally:
-                    close_quietly(writer)
-                reply = decode_frame(data, run_id=self.run_id)
                 if reply.kind != "basis" or digest(reply.tensors) != want:
                     raise FrameError("basis reply does not match its announced digest")
-                self.bytes_fetched += len(data)
-                log.info("fetched basis %d:%d from %s (%d bytes)", boundary, version, peer[:12], len(data))
+                self.bytes_fetched += nbytes
+                log.info("fetched basis %d:%d from %s (%d bytes)", boundary, version, peer[:12], nbytes)
                 return reply.tensors
             except (FrameError, asyncio.TimeoutError, OSError, ConnectionError, KeyError) as e:
                 log.info("basis fetch from %s failed: %s", peer[:12], e)

@@ -1,100 +1,380 @@
-"""All settings of a node in one typed place; the CLI fills it, nothing else reads flags."""
+"""All settings of a node in one typed place: every field carries its flag's help (node.argv
+builds the CLI and the command lines of other nodes from them; nothing else reads flags).
+
+The run's fields take their defaults from the run record's (``run_opt``: ``protocol.records.RunRecord``
+and its typed parts in ``protocol.settings``), so each default is written once; ``run_parts``
+turns them into the record's parts.
+"""
 
 from __future__ import annotations
 
+import argparse
 import os
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
-# DiLoCo H (bench/results/diloco_h.md, 4 replicas vs one at equal tokens): H=10 ends at held-out loss
-# 1.10, close to H=50's 1.04 and far from H=1's 1.80, at 15 rounds in 150 steps. We take 10, not 50:
-# a volunteer that leaves loses its un-averaged steps and a joiner adopts the outer state of the last
-# round, so fewer steps between rounds lose less under churn, and a 40-step demo sees 4 rounds, not 0.
-# The price is 5x H=50's outer bytes (rank-16 PowerSGD: ~9x below dense fp32 either way).
-DEFAULT_OUTER_EVERY = 10
+from protocol.records import RunRecord
+from protocol.settings import DEFAULT_OUTER_EVERY, PARTS, part_defaults
+
+NET, RUN, NODE = "network", "run", "this node"  # the CLI's flag groups
+SUPPRESS = argparse.SUPPRESS  # a flag for the launchers only, hidden from --help
 
 
 def default_state_dir() -> str:
     return os.environ.get("NODE_STATE_DIR", str(Path.home() / ".local" / "share" / "volunteer-node"))
 
 
+def opt(
+    default: Any = MISSING,
+    *,
+    help: str,
+    group: str,
+    factory: Any = MISSING,
+    flag: str | None = None,
+    choices: tuple | None = None,
+    append: bool = False,
+    run: str | None = None,
+    resolved: bool = False,
+):
+    """A NodeConfig field with its flag: ``flag`` defaults to --field-name; ``append``: repeatable;
+    ``run``: the run record field it fills (see ``run_opt``); ``resolved``: left None on the command
+    line and resolved after parsing (see node.cli.main)."""
+    meta = {"help": help, "group": group, "flag": flag, "choices": choices, "append": append}
+    return field(
+        default=default, default_factory=factory, metadata={**meta, "run": run, "resolved": resolved}
+    )
+
+
+_RECORD_DEFAULTS = {f.name: f.default for f in fields(RunRecord) if f.default is not MISSING}
+
+
+def run_opt(path: str, *, help: str, group: str = RUN, resolved: bool = False, choices: tuple | None = None):
+    """A field of the run record (``"seed"``) or of one of its parts (``"outer.every"``): the
+    default, and a part's choices, are the record's."""
+    part, _, name = path.rpartition(".")
+    if part:
+        f = {f.name: f for f in fields(PARTS[part])}[name]
+        default, choices = f.default, choices or f.metadata["choices"] or None
+    else:
+        default = _RECORD_DEFAULTS[name]
+    return opt(default, help=help, group=group, choices=choices, run=path, resolved=resolved)
+
+
 @dataclass
 class NodeConfig:
-    # swarm membership
-    peers: list[str] = field(default_factory=list)
-    run_id: str = "default"
-    new_run: bool = False  # with --peers: start run_id on that DHT (refused if the run exists)
-    stage: str = "auto"  # auto | stage index
-    circuit: str = "fast"
-    # network
-    host: str = "127.0.0.1"
-    port: int = 0
-    announce_maddrs: list[str] = field(default_factory=list)
-    identity: str | None = None
-    swarm_key: str | None = None  # file with the shared secret; frames without its tag are refused
-    client_mode: bool = False
-    use_relay: bool = True
-    use_auto_relay: bool = False
-    p2pd_timeout: float = 15.0  # p2pd start-up; the most common failure of hivemind swarms
-    join_timeout: float = 30.0  # reaching the bootstrap peers and reading the run record
-    hop_timeout: float = 30.0  # one hop's compute + reply, multiplied by the hops still ahead
-    # the run (used when this node starts a new swarm; joiners read it from the DHT)
-    model: str = "bundled"
-    stages: int = 2
-    # the best >= 10x configuration measured (bench/results/quality.md): PCA k = 96, int8
-    codec: str = "pca"
-    wire_dtype: str = "bfloat16"
-    mask_rate: float = 0.95
-    mask_rescale: bool = False
-    codec_k: int = 96  # pca / topk / bottleneck: coefficients or channels per token (pca: <= hidden)
-    pca_dtype: str = "int8"  # pca / lowrank coefficients
-    lowrank_basis: str = "bfloat16"  # lowrank: the per-frame basis' dtype
-    calibration_tokens: int = 2048  # tokens the run's starter uses to fit a basis codec
-    dense_every: int = 0
-    # data-parallel outer rounds (DESIGN 4.3)
-    # inner steps between outer rounds (0 = replicas never average); a stage with one replica skips them
-    outer_every: int = DEFAULT_OUTER_EVERY
-    powersgd_rank: int = 16  # 0 = uncompressed pseudo-gradients
-    group_size: int = 2
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    outer_mode: str = "diloco"
-    outer_timeout: float = 20.0
-    # pretraining from scratch (DESIGN 4.4) and per-step sparse DP (DESIGN 4.5)
-    mode: str = "finetune"  # finetune | pretrain (a Llama-style model built from scratch with the run seed)
-    subspace_rank: int = 0  # --codec subspace: k numbers per token at every boundary (needs pretrain)
-    dp: str = "diloco"  # diloco (outer rounds, --outer-every) | scape (sparse sync every inner step)
-    density: float = 0.1  # scape: share of each tensor's coordinates synchronised per step
-    dp_timeout: float = 10.0  # scape: seconds to wait for the other replicas' step before going alone
-    # anchor priors (DESIGN 4.2): the fast nodes' filter, the anchors' staleness and packet rank
-    ap_alpha: float = 0.3
-    ap_tau: float = 1e-3
-    ap_beta: float = 0.95
-    ap_tau_relative: bool = False
-    ap_max_staleness: int = 30
-    anchor_pull_every: int = 20
-    anchor_rank: int = 16  # a dense (uncompressed) step every K steps; 0 = never
-    seed: int = 0
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    clip: float = 1.0
-    seq_len: int = 64
-    microbatch: int = 8
-    batch_tokens: int = 192
-    # this node
-    data: str = "arithmetic"
-    device: str = "auto"
-    threads: int = 0
-    max_memory_gb: float = (
-        0.0  # refuse stages whose estimate exceeds this; 0 = no limit  # torch threads; 0 = torch's default
+    peers: list[str] = opt(
+        factory=list,
+        help="multiaddrs of peers already in the swarm (/ip4/HOST/tcp/PORT/p2p/PEER_ID); without it, this "
+        "node starts a new swarm",
+        group=NET,
     )
-    max_inflight: int = 4
-    wait_peers: int = 0  # head: start driving data once this many peers are ready (local swarms)
-    max_steps: int = 0  # stop after this many inner steps (0 = run until stopped)
-    state_dir: str = field(default_factory=default_state_dir)
-    metrics_file: str | None = None
-    checkpoint_every: int = 50  # inner steps between checkpoints (and one at exit); 0 = never
-    resume: bool = False  # continue from this node's newest checkpoint of the run
-    ready_file: str | None = None  # written once the stage is claimed (used by `swarm`)
-    heartbeat_s: float = 2.0
-    rebalance: bool = True  # move to an empty or starved stage when that lifts the bottleneck
+    run_id: str = opt("default", help="which run of the swarm to join (default: %(default)s)", group=NET)
+    new_run: bool = opt(
+        False,
+        help="with --peers: start --run-id on that DHT (e.g. a plain hivemind bootstrap peer) instead of "
+        "joining it; refused if the run already exists",
+        group=NET,
+    )  # with --peers: start run_id on that DHT (refused if the run exists)
+    stage: str = opt(
+        "auto", help="'auto' claims the least-served stage, or a stage index", group=NET
+    )  # auto | stage index
+    circuit: str = opt(
+        "fast",
+        help="fast: compressed links and training; anchor: dense, unmasked replica that feeds the fast "
+        "peers' spectral filter (default: %(default)s)",
+        choices=("fast", "anchor"),
+        group=NET,
+    )
+    host: str = opt(
+        "127.0.0.1",
+        help="listen address; 0.0.0.0 to accept peers from other machines (default: %(default)s)",
+        group=NET,
+    )
+    port: int = opt(0, help="listen TCP port; 0 picks a free one (default: %(default)s)", group=NET)
+    announce_maddrs: list[str] = opt(
+        factory=list,
+        help="address others should dial, e.g. /ip4/PUBLIC_IP/tcp/PORT (repeatable)",
+        flag="--announce-maddr",
+        append=True,
+        group=NET,
+    )
+    identity: str | None = opt(
+        None,
+        help="private key file for a stable peer id (made 0600 if missing; default: STATE_DIR/identity.key)",
+        group=NET,
+    )
+    swarm_key: str | None = opt(
+        None,
+        help="file holding the swarm's shared secret (chmod 600; make one with `python -m node keygen "
+        "FILE`): only nodes with the key get frames accepted",
+        group=NET,
+    )  # file with the shared secret; frames without its tag are refused
+    client_mode: bool = opt(
+        False, help="do not accept incoming DHT connections (behind NAT with no forwarded port)", group=NET
+    )
+    use_relay: bool = opt(
+        True,
+        help="disable libp2p circuit relays (on by default: lets peers behind NAT reach each other)",
+        flag="--no-relay",
+        group=NET,
+    )
+    use_auto_relay: bool = opt(
+        False, help="look for relays automatically and announce relayed addresses (behind NAT)", group=NET
+    )
+    p2pd_timeout: float = opt(
+        15.0, help="seconds to wait for the p2p daemon to start (default: %(default)s)", group=NET
+    )  # p2pd start-up; the most common failure of hivemind swarms
+    join_timeout: float = opt(
+        30.0, help="seconds to reach the bootstrap peers and read the run (default: %(default)s)", group=NET
+    )  # reaching the bootstrap peers and reading the run record
+    hop_timeout: float = opt(
+        30.0,
+        help="seconds one pipeline hop may take before it is retried elsewhere (default: %(default)s)",
+        group=NODE,
+    )  # one hop's compute + reply, multiplied by the hops still ahead
+    model: str = opt(
+        "bundled",
+        help="'bundled' (SmolLM2-135M-Instruct, offline), 'tiny[:LAYERS]' (random init, for tests), a Hub "
+        "id (owner/name, fetched once) or a local Llama/Qwen2/Qwen3/Mistral checkpoint; joiners pass "
+        "the same --model (the join command the first node prints carries it) (default: %(default)s)",
+        group=RUN,
+    )
+    stages: int = opt(2, help="pipeline stages of a new run (default: %(default)s)", group=RUN)
+    codec: str = opt(
+        "pca",
+        help="pipeline-link codec; 'subspace' needs --mode pretrain and --subspace-rank (default: "
+        "%(default)s)",
+        choices=("dense", "mask", "pca", "lowrank", "topk", "int8", "int4", "bottleneck", "subspace"),
+        group=RUN,
+    )
+    wire_dtype: str = opt(
+        "bfloat16",
+        help="dtype of dense link payloads (default: %(default)s)",
+        choices=("float32", "bfloat16", "float16"),
+        group=RUN,
+    )
+    mask_rate: float = opt(
+        0.95, help="mask codec: share of hidden channels dropped per token (default: %(default)s)", group=RUN
+    )
+    mask_rescale: bool = opt(
+        False, help="mask codec: scale kept channels by 1/(1-rate) (unbiased; off as in the paper)", group=RUN
+    )
+    codec_k: int = opt(
+        96,
+        help="pca/lowrank/topk/bottleneck: coefficients or channels per token (default: %(default)s)",
+        group=RUN,
+    )  # pca / topk / bottleneck: coefficients or channels per token (pca: <= hidden)
+    pca_dtype: str = opt(
+        "int8",
+        help="pca/lowrank codecs: coefficient dtype; int8 uses per-block scales (default: %(default)s)",
+        choices=("int8", "bfloat16", "float32"),
+        group=RUN,
+    )  # pca / lowrank coefficients
+    lowrank_basis: str = opt(
+        "bfloat16",
+        help="lowrank codec: dtype of the basis each frame carries; int8 uses a bf16 scale per 32 entries "
+        "(about half the basis bytes of bfloat16) (default: %(default)s)",
+        choices=("bfloat16", "int8", "float32"),
+        group=RUN,
+    )  # lowrank: the per-frame basis' dtype
+    calibration_tokens: int = opt(
+        2048, help="tokens the run's starter uses to fit a basis codec (default: %(default)s)", group=RUN
+    )  # tokens the run's starter uses to fit a basis codec
+    dense_every: int = run_opt(
+        "dense_every",
+        help="send every K-th step uncompressed (periodic clean step); 0 = never (default: %(default)s)",
+        group=RUN,
+    )
+    outer_every: int = run_opt(
+        "outer.every",
+        help="DiLoCo: inner steps between outer rounds in which the replicas of a stage average their "
+        "pseudo-gradients (a stage with one replica skips them); 0 = never "
+        f"(default: {DEFAULT_OUTER_EVERY}, 0 with --dp scape)",
+        resolved=True,
+        group=RUN,
+    )
+    powersgd_rank: int = run_opt(
+        "outer.rank",
+        help="rank of the PowerSGD-compressed pseudo-gradients; 0 = uncompressed (default: %(default)s)",
+        group=RUN,
+    )  # 0 = uncompressed pseudo-gradients
+    group_size: int = run_opt(
+        "outer.group_size",
+        help="replicas per gossip group in an outer round (default: %(default)s)",
+        group=RUN,
+    )
+    outer_lr: float = run_opt("outer.lr", help="outer Nesterov lr (default: %(default)s)", group=RUN)
+    outer_momentum: float = run_opt(
+        "outer.momentum", help="outer Nesterov momentum (default: %(default)s)", group=RUN
+    )
+    outer_mode: str = run_opt(
+        "outer.mode",
+        help="outer optimizer: DiLoCo's Nesterov, or GASLoC's mixed momentum (default: %(default)s)",
+        group=RUN,
+    )
+    outer_timeout: float = run_opt(
+        "outer.timeout",
+        help="seconds an outer round may take before it is skipped (default: %(default)s)",
+        group=RUN,
+    )
+    mode: str = run_opt(
+        "mode",
+        help="finetune: train --model as loaded; pretrain: build a Llama-style model from scratch from "
+        "--model's config (tiny[:L[:H]], small, or a checkpoint directory's config.json) with the "
+        "run seed, next-token loss on every position (default: %(default)s)",
+        choices=("finetune", "pretrain"),
+        group=RUN,
+    )  # finetune | pretrain (a Llama-style model built from scratch with the run seed)
+    subspace_rank: int = opt(
+        0,
+        help="--codec subspace: k, the numbers per token each boundary carries (Subspace Networks; the "
+        "model is built with the constraint) (default: %(default)s)",
+        group=RUN,
+    )  # --codec subspace: k numbers per token at every boundary (needs pretrain)
+    dp: str = run_opt(
+        "dp.mode",
+        help="data parallelism among replicas of a stage: diloco (outer rounds every --outer-every steps) "
+        "or scape (AdamS, sparse sync of --density of the coordinates every inner step) (default: "
+        "%(default)s)",
+        group=RUN,
+    )  # diloco (outer rounds, --outer-every) | scape (sparse sync every inner step)
+    density: float = run_opt(
+        "dp.density",
+        help="--dp scape: share of every tensor's coordinates synchronised per step (default: %(default)s)",
+        group=RUN,
+    )  # scape: share of each tensor's coordinates synchronised per step
+    dp_timeout: float = run_opt(
+        "dp.timeout",
+        help="--dp scape: seconds to wait for the other replicas' step before going on alone (default: "
+        "%(default)s)",
+        group=RUN,
+    )  # scape: seconds to wait for the other replicas' step before going alone
+    ap_alpha: float = run_opt(
+        "anchor.alpha",
+        help="anchor priors: weight of the raw masked gradient, 1 = filter off (default: %(default)s)",
+        group=RUN,
+    )
+    ap_tau: float = run_opt(
+        "anchor.tau", help="anchor priors: spectral shrinkage d = s/(s+tau) (default: %(default)s)", group=RUN
+    )
+    ap_beta: float = run_opt(
+        "anchor.beta", help="anchor priors: EMA factor of anchor gradients (default: %(default)s)", group=RUN
+    )
+    ap_tau_relative: bool = run_opt(
+        "anchor.tau_relative",
+        help="anchor priors: tau relative to the top singular value (deviation from the paper)",
+        group=RUN,
+    )
+    ap_max_staleness: int = run_opt(
+        "anchor.max_staleness",
+        help="drop anchor packets older than this many fast steps (default: %(default)s)",
+        group=RUN,
+    )
+    anchor_pull_every: int = run_opt(
+        "anchor.pull_every",
+        help="anchors re-pull weights once they are this many fast steps old (default: %(default)s)",
+        group=RUN,
+    )
+    anchor_rank: int = run_opt(
+        "anchor.rank",
+        help="rank of the gradient factors an anchor sends per matrix (default: %(default)s)",
+        group=RUN,
+    )
+    seed: int = run_opt("seed", help="run seed: masks, init of tiny models (default: %(default)s)", group=RUN)
+    lr: float = run_opt("lr", help="inner AdamW learning rate (default: %(default)s)", group=RUN)
+    weight_decay: float = run_opt("weight_decay", help="AdamW weight decay (default: %(default)s)", group=RUN)
+    clip: float = run_opt("clip", help="gradient-norm clip (default: %(default)s)", group=RUN)
+    seq_len: int = run_opt("seq_len", help="max tokens per sequence (default: %(default)s)", group=RUN)
+    microbatch: int = run_opt("microbatch", help="sequences per microbatch (default: %(default)s)", group=RUN)
+    batch_tokens: int = run_opt(
+        "batch_tokens",
+        help="tokens a node accumulates before each inner optimizer step (default: %(default)s)",
+        group=RUN,
+    )
+    data: str = opt(
+        "arithmetic",
+        help="training data for the head: 'arithmetic' (built in) or a .jsonl of {text} / {prompt, "
+        "completion} records, or a plain-text file (default: %(default)s)",
+        group=NODE,
+    )
+    device: str = opt(
+        "auto",
+        help="compute device; auto picks CUDA when present (default: %(default)s)",
+        choices=("auto", "cuda", "cpu"),
+        group=NODE,
+    )
+    threads: int = opt(0, help="torch CPU threads, 0 = torch default", group=NODE)
+    max_memory_gb: float = opt(
+        0.0,
+        help="GiB this node may use: it claims only a stage whose estimate fits, and refuses with a "
+        "message when none does; 0 = no limit (default: %(default)s)",
+        flag="--max-memory",
+        group=NODE,
+    )
+    max_inflight: int = opt(
+        4, help="cap on microbatches this node holds in flight (default: %(default)s)", group=NODE
+    )
+    wait_peers: int = opt(
+        0,
+        help="head only: wait until this many peers are ready before training (default: %(default)s)",
+        group=NODE,
+    )  # head: start driving data once this many peers are ready (local swarms)
+    max_steps: int = opt(
+        0, help="leave after this many inner steps; 0 = run until stopped (default: %(default)s)", group=NODE
+    )  # stop after this many inner steps (0 = run until stopped)
+    state_dir: str = opt(
+        factory=default_state_dir,
+        help="identity key, checkpoints and health file (default: $NODE_STATE_DIR or "
+        "~/.local/share/volunteer-node)",
+        group=NODE,
+    )
+    metrics_file: str | None = opt(None, help="write live metrics as JSON here", group=NODE)
+    checkpoint_every: int = opt(
+        50,
+        help="inner steps between atomic checkpoints in STATE_DIR/checkpoints (one is also written on "
+        "SIGTERM/Ctrl-C); 0 = never (default: %(default)s)",
+        group=NODE,
+    )  # inner steps between checkpoints (and one at exit); 0 = never
+    resume: bool = opt(
+        False,
+        help="continue from this node's newest complete checkpoint of the run (same stage, weights, "
+        "optimizer and filter state, step count)",
+        group=NODE,
+    )  # continue from this node's newest checkpoint of the run
+    ready_file: str | None = opt(
+        None, help=SUPPRESS, group=NODE
+    )  # written once the stage is claimed (used by `swarm`)
+    heartbeat_s: float = opt(
+        2.0,
+        help="seconds between stage-record heartbeats (default: %(default)s)",
+        flag="--heartbeat",
+        group=NODE,
+    )
+    rebalance: bool = opt(
+        True,
+        help="stay on the claimed stage: never move to a stage left empty or far below the others in "
+        "throughput (moving is on by default with --stage auto)",
+        flag="--no-rebalance",
+        group=NODE,
+    )  # move to an empty or starved stage when that lifts the bottleneck
+
+
+def _run_fields() -> list:
+    return [f for f in fields(NodeConfig) if f.metadata["run"]]
+
+
+def run_parts(cfg: NodeConfig) -> dict[str, Any]:
+    """The run record's fields that come straight from the config: the typed parts and the scalars."""
+    top: dict[str, Any] = {}
+    parts: dict[str, dict[str, Any]] = {name: {} for name in PARTS}
+    for f in _run_fields():
+        part, _, name = f.metadata["run"].rpartition(".")
+        (parts[part] if part else top)[name] = getattr(cfg, f.name)
+    return {**top, **{name: PARTS[name](**kw) for name, kw in parts.items()}}
+
+
+# every part field has exactly one config field (a new part field without one fails at import)
+for _name, _cls in PARTS.items():
+    _mapped = {f.metadata["run"] for f in fields(NodeConfig)} & {f"{_name}.{k}" for k in part_defaults(_cls)}
+    assert len(_mapped) == len(part_defaults(_cls)), f"{_name} settings without a NodeConfig field"

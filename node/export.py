@@ -40,11 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from hivemind.p2p import PeerID
 
 from node.anchors import WEIGHTS_HANDLER, weights_digest
 from node.checkpoint import CheckpointError, _pid_alive, list_checkpoints, load_checkpoint
 from node.model import BUNDLED, BUNDLED_NAME, open_model
+from node.rpc import open_stream
 from node.transport import close_quietly
 from node.wire import Wire
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame
@@ -296,7 +296,7 @@ def parts_from_checkpoints(dirs: list[str], run_id: str | None = None) -> tuple[
 
 @dataclass
 class _Visitor:
-    """What a weights request needs of a node: its p2p, wire and run (``anchors._request`` style)."""
+    """What a weights request needs of a node: its p2p, wire and run (``node.rpc.request`` style)."""
 
     p2p: object
     wire: Wire
@@ -307,9 +307,8 @@ async def pull_stage(
     v: _Visitor, peer: str, index: int, timeout: float, progress=None
 ) -> tuple[int, dict, str]:
     """fp32 weights of one peer's stage: (its inner step, tensors, digest), digest checked."""
-    _, reader, writer = await asyncio.wait_for(
-        v.p2p.call_binary_stream_handler(PeerID.from_base58(peer), WEIGHTS_HANDLER), timeout
-    )
+    # not rpc.request: the frames are read one by one, for the progress callback
+    reader, writer = await open_stream(v.p2p, peer, WEIGHTS_HANDLER, timeout)
     named: dict[str, torch.Tensor] = {}
     try:
         req = Frame(kind="weights", run_id=v.run_id, meta={"dtype": "float32"})

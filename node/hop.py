@@ -13,11 +13,10 @@ import random
 import zlib
 from collections.abc import Callable
 
-from hivemind.p2p import PeerID
-
 from node.context import StageContext
 from node.membership import read_stage_records
 from node.routing import choose_peer
+from node.rpc import PeerUnreachable, open_stream
 from node.transport import close_quietly
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError
 from protocol.records import StageRecord
@@ -74,11 +73,9 @@ class HopClient:
         ctx = self.ctx
         timeout = self.deadline(boundary)
         try:
-            _, reader, writer = await asyncio.wait_for(
-                ctx.p2p.call_binary_stream_handler(PeerID.from_base58(peer), HANDLER), ctx.cfg.hop_timeout
-            )
-        except Exception as e:
-            raise HopFailed(f"cannot open a stream to {peer[:12]}: {type(e).__name__}") from None
+            reader, writer = await open_stream(ctx.p2p, peer, HANDLER, ctx.cfg.hop_timeout)
+        except PeerUnreachable as e:
+            raise HopFailed(str(e)) from None
 
         async def exchange() -> bytes:
             await ctx.wire.send(writer, data, timeout)

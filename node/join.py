@@ -17,7 +17,7 @@ import torch
 
 from node.basis import BASIS_VERSION, BasisStore, BasisUnavailable, calibrate_stagewise
 from node.checkpoint import newest_for_run
-from node.config import NodeConfig
+from node.config import NodeConfig, run_parts
 from node.data import ByteTokenizer, as_plain_text, load_examples, microbatches
 from node.devices import GIB, describe_memory, pick_device, stage_memory_bytes
 from node.diloco import OuterSync
@@ -54,34 +54,7 @@ def new_run_record(cfg: NodeConfig, model, name: str, model_hash: str) -> RunRec
         hidden=model.config.hidden_size,
         stages=default_stage_ranges(model, cfg.stages),
         codec=codec_settings(cfg, model),
-        dense_every=cfg.dense_every,
-        outer={
-            "every": cfg.outer_every,
-            "rank": cfg.powersgd_rank,
-            "group_size": cfg.group_size,
-            "lr": cfg.outer_lr,
-            "momentum": cfg.outer_momentum,
-            "mode": cfg.outer_mode,
-            "timeout": cfg.outer_timeout,
-        },
-        mode=cfg.mode,
-        dp={"mode": cfg.dp, "density": cfg.density, "timeout": cfg.dp_timeout},
-        anchor={
-            "alpha": cfg.ap_alpha,
-            "tau": cfg.ap_tau,
-            "beta": cfg.ap_beta,
-            "max_staleness": cfg.ap_max_staleness,
-            "tau_relative": cfg.ap_tau_relative,
-            "pull_every": cfg.anchor_pull_every,
-            "rank": cfg.anchor_rank,
-        },
-        seed=cfg.seed,
-        lr=cfg.lr,
-        weight_decay=cfg.weight_decay,
-        clip=cfg.clip,
-        seq_len=cfg.seq_len,
-        microbatch=cfg.microbatch,
-        batch_tokens=cfg.batch_tokens,
+        **run_parts(cfg),  # the typed parts and the scalars, field by field (node.config)
         # a tied model stays tied across stages: head and tail sum their gradients (node.tied)
         tied=bool(getattr(model.config, "tie_word_embeddings", False)),
     )
@@ -322,7 +295,7 @@ def run_join(cfg: NodeConfig) -> int:
                 seed = zlib.crc32(peer_id.encode())
                 data = microbatches(examples, tok, run.microbatch, run.seq_len, seed=seed)
             outer = None
-            if run.outer["every"] > 0 and cfg.circuit == "fast":
+            if run.outer.every > 0 and cfg.circuit == "fast":
                 o = run.outer
                 # hivemind's averager installs signal handlers: it must be created on the main thread
                 outer = OuterSync(
@@ -330,13 +303,13 @@ def run_join(cfg: NodeConfig) -> int:
                     run.run_id,
                     index,
                     {n: p for n, p in stage.named_parameters() if p.requires_grad},
-                    rank=int(o["rank"]),
-                    group_size=int(o["group_size"]),
-                    outer_lr=float(o["lr"]),
-                    momentum=float(o["momentum"]),
+                    rank=o.rank,
+                    group_size=o.group_size,
+                    outer_lr=o.lr,
+                    momentum=o.momentum,
                     seed=run.seed,
-                    timeout=float(o["timeout"]),
-                    mode=o["mode"],
+                    timeout=o.timeout,
+                    mode=o.mode,
                 )
             runtime = StageRuntime(cfg, run, index, stage, dht, peer_id, data, device, outer=outer)
             runtime.maddrs = maddrs

@@ -155,13 +155,13 @@ def load_pretrain_model(model: str, seed: int, subspace_k: int = 0):
 
     Every peer builds bit-identical weights from the run seed (torch's global RNG is forked,
     not advanced). With ``subspace_k`` the model carries the Subspace Networks constraint
-    (``compression.subspace.build_subspace_model``: embedding E·Uᵀ + T[tok], o_proj and
+    (``node.subspace_model.build_subspace_model``: embedding E·Uᵀ + T[tok], o_proj and
     down_proj = U·Z, with U and T from the same seed), so every boundary's residual lies in
     T[tok] + span(U) and the subspace codec is exact.
     """
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from compression.subspace import build_subspace_model
+    from node.subspace_model import build_subspace_model
 
     config = pretrain_config(model)
     if subspace_k:

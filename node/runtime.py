@@ -91,15 +91,15 @@ class StageRuntime(Lifecycle):
         self.anchor = self.filter = self.weight_server = self.packet_sink = self.scape = self.tied = None
         a = run.anchor
         if cfg.circuit == "anchor":
-            self.anchor = AnchorClient(ctx, pull_every=int(a["pull_every"]), rank=int(a["rank"]))
+            self.anchor = AnchorClient(ctx, pull_every=a.pull_every, rank=a.rank)
             strategy = AnchorStep(ctx, self.anchor)
         else:
             self.filter = SpectralFilter(
-                alpha=a["alpha"],
-                tau=a["tau"],
-                beta=a["beta"],
-                max_staleness=int(a["max_staleness"]),
-                tau_relative=bool(a["tau_relative"]),
+                alpha=a.alpha,
+                tau=a.tau,
+                beta=a.beta,
+                max_staleness=a.max_staleness,
+                tau_relative=a.tau_relative,
             )
             self.state.register("filter", self.filter)
             self.weight_server = WeightServer(ctx)
@@ -112,13 +112,13 @@ class StageRuntime(Lifecycle):
             )
             strategy = AdamWStep(ctx, self.gate, self.opt, self.filter, outer, self.tied)
             # SCAPE: AdamS + a sparse sync with the stage's replicas every step, instead of AdamW
-            if run.dp.get("mode") == "scape" and cfg.circuit == "fast":
+            if run.dp.mode == "scape" and cfg.circuit == "fast":
                 self.scape = strategy = ScapeSync(
                     ctx,
                     self.gate,
                     self.hops.refresh_routes,
-                    float(run.dp["density"]),
-                    float(run.dp.get("timeout", 10.0)),
+                    run.dp.density,
+                    run.dp.timeout,
                 )
                 self.state.register("scape", self.scape)
                 self.tied = None  # SCAPE's AdamS step does not exchange the tied gradient (not built)
@@ -188,7 +188,7 @@ class StageRuntime(Lifecycle):
             "state_pull_bytes": m.state_pull_bytes,
             "outer_rounds": m.outer_rounds,
             "outer_alone": m.outer_alone,
-            "dp": self.scape.summary() if self.scape is not None else {"mode": self.run.dp.get("mode")},
+            "dp": self.scape.summary() if self.scape is not None else {"mode": self.run.dp.mode},
             "state_dir": self.cfg.state_dir,
             "checkpoints": m.checkpoints,
             "resumed_from": self.resumed_from,

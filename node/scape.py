@@ -61,10 +61,10 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable
 
 import torch
-from hivemind.p2p import PeerID
 
 from compression.scape import adams_masked_step_, adams_step_, mask_scores, next_mask
 from node.anchors import fast_peers_of_stage
+from node.rpc import PeerUnreachable, send_only
 from node.scape_wire import (  # noqa: F401  (INITIAL_LINEAGE, winning_lineage: re-exported)
     ANCHOR_CHUNK,
     INITIAL_LINEAGE,
@@ -215,21 +215,13 @@ class ScapeSync:
 
     async def _send(self, peer: str, frame: Frame) -> int:
         rt = self.rt
-        data = encode_frame(frame)
         try:
-            _, _, writer = await asyncio.wait_for(
-                rt.p2p.call_binary_stream_handler(PeerID.from_base58(peer), SCAPE_HANDLER), self.timeout
-            )
-        except Exception as e:
-            log.info("scape: cannot reach %s: %s", peer[:12], type(e).__name__)
-            return 0
-        try:
-            return await rt.wire.send(writer, data, self.timeout)
+            return await send_only(rt.p2p, rt.wire, peer, SCAPE_HANDLER, encode_frame(frame), self.timeout)
+        except PeerUnreachable as e:
+            log.info("scape: %s", e)
         except Exception as e:
             log.info("scape: sending to %s failed: %s", peer[:12], type(e).__name__)
-            return 0
-        finally:
-            close_quietly(writer)
+        return 0
 
     async def _broadcast(self, peers: list[str], frame: Frame) -> int:
         sent = await asyncio.gather(*(self._send(p, frame) for p in peers))

@@ -184,7 +184,7 @@ class AdamWStep:
     async def _maybe_outer_round(self, step: int) -> None:
         """Average pseudo-gradients with the stage's live replicas once per stage round (DESIGN 4.3)."""
         ctx = self.ctx
-        every = int(ctx.run.outer["every"])
+        every = ctx.run.outer.every
         if self.outer is None or every <= 0:
             return
         peers = fast_peers_of_stage(ctx)

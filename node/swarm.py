@@ -21,8 +21,10 @@ import sys
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
+from node.argv import config_from_args, config_to_argv
 from node.membership import parent_death_signal
 from node.report import build_report, plot_eval, plot_link_rates, plot_loss
 
@@ -45,47 +47,22 @@ def _tail(path: Path, n: int = 5) -> str:
 def node_command(
     args, i: int, nodedir: Path, run_id: str, peers: list[str], circuit: str = "fast"
 ) -> list[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "node",
-        "join",
-        "--run-id",
-        run_id,
-        "--stage",
-        "auto",
-        "--state-dir",
-        str(nodedir),
-        "--metrics-file",
-        str(nodedir / "metrics.json"),
-        "--ready-file",
-        str(nodedir / "ready.json"),
-        "--threads",
-        str(args.threads_per_node),
-        "--data",
-        args.data,
-        "--device",
-        args.device,
-        "--max-inflight",
-        str(args.max_inflight),
-        "--hop-timeout",
-        str(args.hop_timeout),
-        "--heartbeat",
-        "1.0",
-        "--wait-peers",
-        str(args.nodes + args.anchors * args.stages),
-    ]
-    # every node gets the run settings; only the first one's are published, the rest verify the model
-    cmd += args.run_arg_flags(args)  # set by node.cli's swarm parser
-    if getattr(args, "rebalance", None) is False:
-        cmd += ["--no-rebalance"]
-    if circuit != "fast":
-        cmd += ["--circuit", circuit]
-    if args.swarm_key:
-        cmd += ["--swarm-key", args.swarm_key]
-    if peers:
-        cmd += ["--peers", *peers]
-    return cmd
+    # every node gets the run settings (and the swarm's --data, --device, --max-inflight,
+    # --hop-timeout, --swarm-key, --no-rebalance); only the first one's run settings are
+    # published, the rest verify the model
+    cfg = replace(
+        config_from_args(args),
+        run_id=run_id,
+        state_dir=str(nodedir),
+        metrics_file=str(nodedir / "metrics.json"),
+        ready_file=str(nodedir / "ready.json"),
+        threads=args.threads_per_node,
+        heartbeat_s=1.0,
+        wait_peers=args.nodes + args.anchors * args.stages,
+        circuit=circuit,
+        peers=list(peers),
+    )
+    return [sys.executable, "-m", "node", "join", *config_to_argv(cfg)]
 
 
 def spawn_node(

@@ -45,7 +45,8 @@ from typing import Protocol
 
 import torch
 
-from node.anchors import _request, fast_peers_of_stage
+from node import rpc
+from node.anchors import fast_peers_of_stage
 from node.context import StageContext
 from node.transport import close_quietly
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame
@@ -152,7 +153,13 @@ class TiedExchange:
         payload = await ctx.compute(tied_payload, mean, ctx.is_head)
         frame = Frame(kind="tied", run_id=ctx.run.run_id, step=step, tensors=payload)
         results = await asyncio.gather(
-            *(_request(ctx, p, TIED_HANDLER, frame, self.deadline_s) for p in peers), return_exceptions=True
+            *(
+                rpc.request(
+                    ctx.p2p, ctx.wire, p, TIED_HANDLER, frame, self.deadline_s, ctx.run.run_id, stream=True
+                )
+                for p in peers
+            ),
+            return_exceptions=True,
         )
         for peer, r in zip(peers, results):
             if isinstance(r, BaseException):

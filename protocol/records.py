@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 from protocol.frames import PROTOCOL_VERSION
+from protocol.settings import PARTS, AnchorSettings, DpSettings, OuterSettings, RecordError, parse_part
 
 HEARTBEAT_S = 2.0  # the default --heartbeat; every DHT lifetime below is a count of beats
 STAGE_RECORD_BEATS = 5  # expires after ~5 missed beats: a beat can queue behind MBs of frames
@@ -25,10 +26,6 @@ def stage_record_ttl(heartbeat_s: float = HEARTBEAT_S) -> float:
 def run_record_ttl(heartbeat_s: float = HEARTBEAT_S) -> float:
     """Seconds the run record lives in the DHT unless a live node re-publishes it."""
     return RUN_RECORD_BEATS * heartbeat_s
-
-
-class RecordError(ValueError):
-    pass
 
 
 def run_key(run_id: str) -> str:
@@ -51,46 +48,6 @@ def _check(record, types: dict[str, type | tuple]) -> None:
             raise RecordError(f"record field {name!r} has type {type(value).__name__}")
 
 
-_NUM = (int, float)
-# the nested settings of a run record: every key present, with its type, and no other (a joiner reads
-# them by key, so a missing or mistyped one must fail here, in one line, not as a KeyError later)
-NESTED_SCHEMAS: dict[str, dict[str, type | tuple]] = {
-    "outer": {
-        "every": int,
-        "rank": int,
-        "group_size": int,
-        "lr": _NUM,
-        "momentum": _NUM,
-        "mode": str,
-        "timeout": _NUM,
-    },
-    "dp": {"mode": str, "density": _NUM, "timeout": _NUM},
-    "anchor": {
-        "alpha": _NUM,
-        "tau": _NUM,
-        "beta": _NUM,
-        "max_staleness": int,
-        "tau_relative": bool,
-        "pull_every": int,
-        "rank": int,
-    },
-}
-
-
-def _check_nested(name: str, value: dict) -> None:
-    schema = NESTED_SCHEMAS[name]
-    missing, unknown = set(schema) - set(value), set(value) - set(schema)
-    if missing or unknown:
-        raise RecordError(
-            f"run record {name!r} settings: missing {sorted(missing)}, unknown {sorted(unknown)}; "
-            "the run was started by another release: install the matching one"
-        )
-    for key, expected in schema.items():
-        v = value[key]
-        if not isinstance(v, expected) or (isinstance(v, bool) and expected is not bool):
-            raise RecordError(f"run record {name}.{key} has type {type(v).__name__}")
-
-
 @dataclass
 class RunRecord:
     """What a run is: published once by the first node, verified by every joiner."""
@@ -103,41 +60,19 @@ class RunRecord:
     stages: list[list[int]]  # [start, end) decoder-layer ranges, one per stage
     codec: dict = field(default_factory=lambda: {"codec": "dense", "wire_dtype": "bfloat16"})
     dense_every: int = 0  # periodic clean step: every K-th step crosses links uncompressed
-    # data-parallel outer rounds among replicas of a stage (DiLoCo/GASLoC with PowerSGD)
-    outer: dict = field(
-        default_factory=lambda: {
-            "every": 0,
-            "rank": 16,
-            "group_size": 2,
-            "lr": 0.7,
-            "momentum": 0.9,
-            "mode": "diloco",
-            "timeout": 20.0,
-        }
-    )
+    # the typed parts (protocol.settings); on the wire each is a plain map
+    outer: OuterSettings = field(default_factory=OuterSettings)
     # finetune (a pretrained or given model) | pretrain (built from scratch from a config and the seed)
     mode: str = "finetune"
-    # per-inner-step DP among replicas of a stage: "scape" syncs ``density`` of the coordinates every step
-    dp: dict = field(default_factory=lambda: {"mode": "diloco", "density": 0.1, "timeout": 10.0})
-    # anchor priors: the fast nodes' spectral filter and the anchors' pull/packet settings
-    anchor: dict = field(
-        default_factory=lambda: {
-            "alpha": 0.3,
-            "tau": 1e-3,
-            "beta": 0.95,
-            "max_staleness": 30,
-            "tau_relative": False,
-            "pull_every": 20,
-            "rank": 16,
-        }
-    )
+    dp: DpSettings = field(default_factory=DpSettings)
+    anchor: AnchorSettings = field(default_factory=AnchorSettings)
     seed: int = 0
     lr: float = 1e-4
     weight_decay: float = 0.0
     clip: float = 1.0
     seq_len: int = 64
-    microbatch: int = 4
-    batch_tokens: int = 1024  # tokens a node accumulates before its inner optimizer step
+    microbatch: int = 8
+    batch_tokens: int = 192  # tokens a node accumulates before its inner optimizer step
     protocol: int = PROTOCOL_VERSION
     key_id: str = ""  # fingerprint of the swarm key frames must be signed with ("" = open swarm)
     # content hash of each stage's config + tensors as stored; model_hash combines them, so a node
@@ -158,8 +93,10 @@ class RunRecord:
         unknown = set(d) - names
         if unknown:
             raise RecordError(f"run record has unknown fields {sorted(unknown)}")
+        # the parts first: a malformed one is named by its field, not by the constructor
+        parts = {name: parse_part(name, d[name]) for name in PARTS if name in d}
         try:
-            rec = cls(**d)
+            rec = cls(**{**d, **parts})
         except TypeError as e:
             raise RecordError(f"run record is incomplete: {e}") from None
         _check(
@@ -173,10 +110,7 @@ class RunRecord:
                 "stages": list,
                 "codec": dict,
                 "dense_every": int,
-                "anchor": dict,
-                "outer": dict,
                 "mode": str,
-                "dp": dict,
                 "seed": int,
                 "lr": (int, float),
                 "weight_decay": (int, float),
@@ -195,8 +129,6 @@ class RunRecord:
             and all(isinstance(h, str) and len(h) == 32 for h in rec.stage_hashes)
         ):
             raise RecordError("run record stage_hashes must be one 32-character hash per stage")
-        for name in NESTED_SCHEMAS:
-            _check_nested(name, getattr(rec, name))
         if not isinstance(rec.codec.get("codec"), str):
             raise RecordError("run record codec settings name no codec")
         if rec.protocol != PROTOCOL_VERSION:
@@ -206,10 +138,6 @@ class RunRecord:
             )
         if rec.mode not in ("finetune", "pretrain"):
             raise RecordError(f"unknown run mode {rec.mode!r}")
-        if rec.dp.get("mode") not in ("diloco", "scape") or not (
-            isinstance(rec.dp.get("density"), (int, float)) and 0 < rec.dp["density"] <= 1
-        ):
-            raise RecordError(f"run record dp settings {rec.dp} are malformed")
         prev = 0
         for r in rec.stages:
             if not (

@@ -103,3 +103,18 @@ def test_layers_point_one_way():
         if top == "node":  # bench drives node from outside; the one way back is the harness's
             # emulated compute, which a node builds when told `--model emulate:...`
             assert {d for d in deps if d.split(".")[0] == "bench"} <= {"bench.emulated"}, (mod, deps)
+
+
+def test_compression_imports_no_model_library():
+    """compression/ is tensor math: the model surgery that needs transformers lives in node/."""
+    for path in sorted((ROOT / "compression").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            bad = [n for n in names if n.split(".")[0] in ("transformers", "hivemind", "node")]
+            assert not bad, f"{path.relative_to(ROOT)} imports {bad}"

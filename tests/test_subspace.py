@@ -1,4 +1,5 @@
-"""Subspace Networks (compression/subspace.py): basis, codec exactness, gradients, bytes, model."""
+"""Subspace Networks (compression/subspace.py; the model: node/subspace_model.py): basis, codec
+exactness, gradients, bytes, model."""
 
 from __future__ import annotations
 
@@ -14,13 +15,12 @@ from compression.registry import make_codec
 from compression.subspace import (
     MissingTokensError,
     SubspaceCodec,
-    build_subspace_model,
     fingerprint,
-    residual_at,
     subspace_basis,
     subspace_residual_error,
     token_table,
 )
+from node.subspace_model import build_subspace_model, residual_at
 
 H, K, V = 32, 4, 300
 CTX = LinkContext(seed=1)

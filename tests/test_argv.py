@@ -1,0 +1,137 @@
+"""The join flags come from NodeConfig's fields, and config_to_argv writes a config back as them."""
+
+import argparse
+import typing
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+import pytest
+
+from node.argv import config_from_args, config_to_argv, flag_of
+from node.cli import build_parser
+from node.config import NodeConfig
+from node.swarm import node_command
+
+# every flag join had before its flags were built from the fields (users' scripts pass them)
+JOIN_FLAGS_BEFORE = """
+--anchor-pull-every --anchor-rank --announce-maddr --ap-alpha --ap-beta --ap-max-staleness --ap-tau
+--ap-tau-relative --batch-tokens --checkpoint-every --circuit --client-mode --clip --codec --codec-k
+--data --dense-every --density --device --dp --dp-timeout --group-size --heartbeat --hop-timeout
+--host --identity --join-timeout --lowrank-basis --lr --mask-rate --mask-rescale --max-inflight
+--max-memory --max-steps --metrics-file --microbatch --mode --model --new-run --no-rebalance
+--no-relay --outer-every --outer-lr --outer-mode --outer-momentum --outer-timeout --p2pd-timeout
+--pca-dtype --peers --port --powersgd-rank --ready-file --resume --run-id --seed --seq-len --stage
+--stages --state-dir --subspace-rank --swarm-key --threads --use-auto-relay --wait-peers
+--weight-decay --wire-dtype
+""".split()
+
+
+def _sub(cmd: str) -> argparse.ArgumentParser:
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices[cmd]
+
+
+def _parse(argv: list[str]) -> NodeConfig:
+    return config_from_args(build_parser().parse_args(["join", *argv]))
+
+
+def test_every_field_has_one_documented_flag_and_every_flag_a_field():
+    actions = {a.dest: a for a in _sub("join")._actions if a.dest != "help"}
+    names = {f.name for f in fields(NodeConfig)}
+    assert set(actions) == names
+    for f in fields(NodeConfig):
+        a = actions[f.name]
+        assert a.option_strings == [flag_of(f)] and a.help and a.help.strip(), f.name
+    assert set(JOIN_FLAGS_BEFORE) <= {o for a in actions.values() for o in a.option_strings}
+
+
+def test_no_flags_is_the_default_config():
+    assert _parse([]) == NodeConfig()
+
+
+def _other(f, value):
+    """A valid value of field ``f`` different from ``value``."""
+    kind = typing.get_type_hints(NodeConfig)[f.name]
+    if f.metadata["choices"]:
+        return next(c for c in f.metadata["choices"] if c != value)
+    if kind is bool:
+        return not value
+    if kind is int:
+        return value + 3
+    if kind is float:
+        return value * 2 + 0.5
+    if typing.get_origin(kind) is list:
+        return ["/ip4/127.0.0.1/tcp/1", "/ip4/127.0.0.1/tcp/2"]
+    return "1" if f.name == "stage" else f"x-{f.name}"
+
+
+def test_config_to_argv_to_config_is_identity_for_every_non_default():
+    defaults = NodeConfig()
+    cfg = NodeConfig(**{f.name: _other(f, getattr(defaults, f.name)) for f in fields(NodeConfig)})
+    assert all(getattr(cfg, f.name) != getattr(defaults, f.name) for f in fields(NodeConfig))
+    assert _parse(config_to_argv(cfg)) == cfg
+    # one field at a time too: no flag leans on another's presence
+    for f in fields(NodeConfig):
+        one = NodeConfig(**{f.name: getattr(cfg, f.name)})
+        argv = config_to_argv(one)
+        assert _parse(argv) == one, (f.name, argv)
+        assert flag_of(f) in argv
+
+
+def test_defaults_are_left_out_unless_pinned():
+    assert config_to_argv(NodeConfig()) == []
+    assert config_to_argv(NodeConfig(lr=0.5), names=["seed"]) == []
+    assert config_to_argv(NodeConfig(), always=["codec", "seed", "resume"]) == [
+        "--codec",
+        "pca",
+        "--seed",
+        "0",
+    ]
+    with pytest.raises(ValueError, match="no NodeConfig fields"):
+        config_to_argv(NodeConfig(), always=["codecs"])
+
+
+def test_swarm_node_command_carries_the_swarm_settings():
+    args = build_parser().parse_args(
+        [
+            "swarm",
+            "--nodes",
+            "2",
+            "--model",
+            "tiny:2",
+            "--stages",
+            "1",
+            "--codec",
+            "mask",
+            "--mask-rate",
+            "0.5",
+        ]
+        + ["--dp", "scape", "--lr", "0.01", "--hop-timeout", "7", "--no-rebalance", "--data", "stdlib"]
+    )
+    cmd = node_command(args, 0, Path("/tmp/n0"), "rid", ["/ip4/127.0.0.1/tcp/9"], "anchor")
+    assert cmd[1:4] == ["-m", "node", "join"]
+    cfg = _parse(cmd[4:])
+    assert (cfg.model, cfg.stages, cfg.codec, cfg.mask_rate, cfg.dp, cfg.lr) == (
+        "tiny:2",
+        1,
+        "mask",
+        0.5,
+        "scape",
+        0.01,
+    )
+    # --dp scape without --outer-every: the node resolves it to 0 (not DiLoCo's 10 next to scape)
+    assert "--outer-every" not in cmd
+    assert (cfg.hop_timeout, cfg.rebalance, cfg.data, cfg.circuit, cfg.run_id) == (
+        7.0,
+        False,
+        "stdlib",
+        "anchor",
+        "rid",
+    )
+    assert (cfg.state_dir, cfg.metrics_file, cfg.peers) == (
+        "/tmp/n0",
+        "/tmp/n0/metrics.json",
+        ["/ip4/127.0.0.1/tcp/9"],
+    )
+    assert (cfg.heartbeat_s, cfg.wait_peers, cfg.threads) == (1.0, 2, 1)
+    assert all(f.default is not MISSING or f.default_factory is not MISSING for f in fields(NodeConfig))
