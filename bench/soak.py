@@ -46,6 +46,7 @@ from protocol.records import run_record_ttl, stage_record_ttl
 LOSS_TAIL = 10  # a tail's loss at a sample: mean of its last this many step losses
 LOSS_WINDOW = 0.1  # loss start / end: mean over the first / last tenth of the training time
 LOSS_FALL = 0.95  # "loss fell": end below this share of start
+RSS_SETTLE_S = 120.0  # a process's RSS growth is counted from its first sample this long after start
 LEAVE_WAIT_S = 120.0  # a SIGTERMed node that has not exited by then is a finding (and is killed)
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -91,16 +92,21 @@ def summarize(samples: list[dict], events: list[dict], joiner: int) -> dict:
         w = LOSS_WINDOW * (t_last - t_first)
         out["loss_start"] = window_mean(losses, t_first, t_first + w)
         out["loss_end"] = window_mean(losses, t_last - w, t_last)
-    rss: dict[str, dict] = {}
+    rss: dict[str, dict] = {}  # per process lifetime: "2" for node 2, "2.1" for its restart
     for s in samples:
         for node, n in s["nodes"].items():
             if n.get("rss_mb") is None:
                 continue
+            key = node + (f".{n['life']}" if n.get("life") else "")
             r = rss.setdefault(
-                node, {"start_mb": n["rss_mb"], "start_t": s["t"], "group_start_mb": n["group_rss_mb"]}
+                key, {"start_mb": n["rss_mb"], "start_t": s["t"], "group_start_mb": n["group_rss_mb"]}
             )
+            if "settled_mb" not in r and s["t"] >= r["start_t"] + RSS_SETTLE_S:
+                r.update(settled_mb=n["rss_mb"], settled_t=s["t"])
             r.update(end_mb=n["rss_mb"], end_t=s["t"], group_end_mb=n["group_rss_mb"])
             r["max_mb"] = max(r.get("max_mb", 0.0), n["rss_mb"])
+    for r in rss.values():  # growth once warm: start-up (imports, first steps, buffers) is not a leak
+        r["growth_mb"] = r["end_mb"] - r["settled_mb"] if "settled_mb" in r else None
     out["rss"] = rss
     join = next((e for e in events if e["kind"] == "join"), None)
     j = {"spawned": None, "ready_s": None, "first_microbatch_s": None, "first_step_s": None}
@@ -155,12 +161,13 @@ def _rss_by_group() -> dict[int, dict[int, float]]:
     return out
 
 
-def node_sample(lf: Life, rss: dict[int, dict[int, float]], n_stages: int) -> dict:
+def node_sample(lf: Life, life: int, rss: dict[int, dict[int, float]], n_stages: int) -> dict:
     m = lf.metrics or {}
     group = rss.get(lf.proc.pid, {})
     rounds = m.get("outer_rounds", [])
     losses = m.get("step_losses", [])
     return {
+        "life": life,
         "stage": lf.stage,
         "inner_step": m.get("inner_step"),
         "microbatches": m.get("microbatches", 0),
@@ -342,7 +349,10 @@ class Soak:
         ph = self.phase
         base = ph.sample()  # chaos's sample: reads every live node's metrics, CPU, tail steps, loss
         rss = _rss_by_group()
-        nodes = {str(lf.node): node_sample(lf, rss, self.opts.stages) for lf in ph.alive()}
+        nodes = {
+            str(lf.node): node_sample(lf, sum(x.node == lf.node for x in ph.lives) - 1, rss, self.opts.stages)
+            for lf in ph.alive()
+        }
         losses = [n["loss"] for n in nodes.values() if n["loss"] is not None]
         s = {
             "t": base["t"],
@@ -539,16 +549,28 @@ def write_report(out: Path, doc: dict) -> None:
         f"committed, {sm['outer_skipped']} skipped or alone.",
         f"* **Dropped microbatches** (all lifetimes): {doc['dropped_total']}.",
     ]
-    if doc["distances"]:
-        last = doc["distances"][-1]["stages"]
-        for stage, d in sorted(last.items()):
-            lines.append(
-                f"* **Replica distance**, stage {stage} (nodes {d['nodes']}, newest checkpoints at steps "
-                f"{d['steps']}): local weights {d['weights']:.3g}, "
-                f"outer model theta {_f(d.get('theta'), '.3g')} "
-                f"(outer steps {d.get('outer_steps')}); max over the run: local "
-                f"{max(x['stages'][stage]['weights'] for x in doc['distances'] if stage in x['stages']):.3g}."
-            )
+    fin = doc.get("outer_final") or {}
+    if fin:
+        lines.append(
+            "* **Replica distance at the end** (outer models the live nodes saved on SIGTERM, as "
+            f"`node swarm` reports it): {_f(fin.get('max_replica_distance'), '.3g')}; outer rounds of the "
+            f"live nodes {fin.get('rounds')} committed, {fin.get('skipped')} skipped or alone, "
+            f"{fin.get('reanchored')} re-anchored."
+        )
+    for stage in sorted({k for x in doc["distances"] for k in x["stages"]}):
+        reads = [x["stages"][stage] for x in doc["distances"] if stage in x["stages"]]
+        # replicas that committed the same outer rounds must hold the same outer model
+        same = [d["theta"] for d in reads if "theta" in d and d["outer_steps"][0] == d["outer_steps"][1]]
+        last = reads[-1]
+        lines.append(
+            f"* **Replica distance**, stage {stage}, from the replicas' newest checkpoints "
+            f"({len(reads)} reads, every {doc['settings']['distance_every']:.0f} s): outer model theta at "
+            "equal outer steps: max "
+            f"{_f(max(same) if same else None, '.3g')} over {len(same)} reads; local weights (checkpoints "
+            f"up to {doc['settings']['checkpoint_every']} steps apart): max "
+            f"{max(d['weights'] for d in reads):.3g}, "
+            f"last {last['weights']:.3g} (nodes {last['nodes']}, steps {last['steps']})."
+        )
     c = doc.get("checkpoints") or {}
     if c:
         lines.append(
@@ -559,14 +581,15 @@ def write_report(out: Path, doc: dict) -> None:
         "",
         "RSS per node (MB, node process; in brackets its process group: node + DHT process + p2pd):",
         "",
-        "| node | first sample (min) | RSS start | last sample (min) | RSS end | max | growth |",
-        "|---|---|---|---|---|---|---|",
+        f"| node | first sample (min) | RSS then | {RSS_SETTLE_S / 60:.0f} min later | last sample (min) "
+        "| RSS end | max | growth since settled |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for node, r in sorted(sm["rss"].items(), key=lambda kv: int(kv[0])):
+    for node, r in sorted(sm["rss"].items(), key=lambda kv: float(kv[0])):
         lines.append(
             f"| {node} | {r['start_t'] / 60:.1f} | {r['start_mb']:.0f} ({r['group_start_mb']:.0f}) "
-            f"| {r['end_t'] / 60:.1f} | {r['end_mb']:.0f} ({r['group_end_mb']:.0f}) | {r['max_mb']:.0f} "
-            f"| {r['end_mb'] - r['start_mb']:+.0f} |"
+            f"| {_f(r.get('settled_mb'), '.0f')} | {r['end_t'] / 60:.1f} | {r['end_mb']:.0f} "
+            f"({r['group_end_mb']:.0f}) | {r['max_mb']:.0f} | {_f(r['growth_mb'], '+.0f')} |"
         )
     lines += [
         "",
@@ -604,7 +627,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default="runs/soak")
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--render", default=None, metavar="JSON", help="only redraw OUT's report from a soak.json")
     opts = p.parse_args(argv)
+    if opts.render:
+        out = Path(opts.out)
+        out.mkdir(parents=True, exist_ok=True)
+        return render(json.loads(Path(opts.render).read_text()), out)
     if opts.join_at is None:
         opts.join_at = opts.minutes / 6
     command = "python -m bench.soak " + " ".join(
@@ -687,16 +715,29 @@ def main(argv: list[str] | None = None) -> int:
         "distances": soak.distances,
         "dropped_total": sum(lf.get("dropped_microbatches") for lf in ph.lives),
     }
-    doc["summary"] = summarize(soak.samples, soak.events, soak.joiner)
-    doc["verdict"] = failure or verdict(doc["summary"])
+    doc["failure"] = failure
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "soak.json").write_text(json.dumps(doc, indent=1))  # first: the raw record survives a later bug
     if held and not failure:
         from node.swarm import finish_model
 
         doc["eval"], line = finish_model(swarm_args, root, ph.run_id, held, before)
         print(line, flush=True)
+    from node.report import outer_summary
+
+    # the demo's own figure: outer models the nodes live at the end saved on SIGTERM
+    doc["outer_final"] = outer_summary(
+        [lf.metrics for lf in ph.current.values() if lf.metrics and lf.killed_at is None]
+    )
     doc["checkpoints"] = verify_checkpoints(ph, swarm_args)
-    out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
+    return render(doc, out)
+
+
+def render(doc: dict, out: Path) -> int:
+    """Summary, verdict, soak.json, soak.png and soak.md from a run's record; the exit status."""
+    doc["summary"] = summarize(doc["samples"], doc["events"], doc["joiner"])
+    doc["verdict"] = doc.get("failure") or verdict(doc["summary"])
     (out / "soak.json").write_text(json.dumps(doc, indent=1))
     plot(doc, out / "soak.png")
     write_report(out, doc)
@@ -709,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if doc["verdict"]:
         print(f"soak failed: {doc['verdict']}", file=sys.stderr)
-        return 2 if failure else 1
+        return 2 if doc.get("failure") else 1
     return 0
 
 

@@ -53,6 +53,8 @@ def test_summarize_windows_joiner_and_rss() -> None:
         nodes = {"0": _node(k, k, 300 + k, committed=k // 5)}
         if t >= 50:  # the joiner is spawned at 50: it reports step 7 (the replicas'), trains at 80
             nodes["4"] = _node(7 if t < 80 else 8, 0 if t < 70 else 3, 200.0, skipped=1)
+        if t >= 150:  # node 2's second life (a restart)
+            nodes["2"] = {**_node(1, 1, 900.0 + k), "life": 1}
         samples.append(_sample(t, round(3.0 - 0.1 * k, 10), nodes))
     samples.insert(3, _sample(25.0, None, {}))  # a sample without a tail loss counts for nothing
     events = [{"kind": "join", "t": 50.0, "node": 4, "ready_s": 12.5}]
@@ -67,6 +69,10 @@ def test_summarize_windows_joiner_and_rss() -> None:
     }
     assert s["rss"]["0"]["start_mb"] == 300 and s["rss"]["0"]["end_mb"] == 320
     assert s["rss"]["0"]["group_end_mb"] == 420 and s["rss"]["4"]["start_t"] == 50.0
+    # growth counts from the first sample 2 min after a process's first: 312 at t = 120 -> 320
+    assert s["rss"]["0"]["settled_mb"] == 312 and s["rss"]["0"]["growth_mb"] == 8
+    assert s["rss"]["4"]["growth_mb"] == 0  # flat from t = 170 on
+    assert s["rss"]["2.1"]["growth_mb"] is None  # a restart seen for less than 2 min: no growth figure
     assert (s["outer_committed"], s["outer_skipped"]) == (4, 1)  # from the last sample: 20 // 5, and 1
     assert verdict(s) is None
 
