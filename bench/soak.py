@@ -651,9 +651,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     root = Path(opts.workdir)
-    if root.exists():
-        shutil.rmtree(root)
-    root.mkdir(parents=True)
+    root.mkdir(parents=True, exist_ok=True)
+    for old in root.iterdir():  # a fresh run; a log the caller redirects into the workdir stays
+        if old.suffix != ".log":
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
     swarm_args = build_parser().parse_args(
         [
             "swarm",
