@@ -92,21 +92,22 @@ def test_verdict_names_the_failure() -> None:
 
 @pytest.mark.slow
 def test_soak_two_minutes(tmp_path) -> None:
-    """A 2.5-minute soak: 4 nodes, a late join at minute 1.6 (3.2 run-record lifetimes of --heartbeat 1)
-    through a live peer, a SIGKILL + --resume, a clean SIGTERM leave; the loss falls, the joiner trains."""
+    """A 4-minute soak: 4 nodes, a late join at minute 1.6 (3.2 run-record lifetimes of --heartbeat 1)
+    through a live peer, a SIGKILL + --resume at 2.2, a clean SIGTERM leave at 3.2; the loss falls and
+    the joiner trains (it needed ~75 s to claim a stage on loaded cores, hence 4 minutes, not 2)."""
     out = tmp_path / "out"
     cmd = [
         sys.executable,
         "-m",
         "bench.soak",
         "--minutes",
-        "2.6",
+        "4",
         "--join-at",
         "1.6",
         "--kill-at",
-        "0.7",
+        "0.55",
         "--leave-at",
-        "0.85",
+        "0.8",
         "--restart-delay",
         "3",
         "--eval",
