@@ -103,10 +103,15 @@ def summarize(samples: list[dict], events: list[dict], joiner: int) -> dict:
             )
             if "settled_mb" not in r and s["t"] >= r["start_t"] + RSS_SETTLE_S:
                 r.update(settled_mb=n["rss_mb"], settled_t=s["t"])
-            r.update(end_mb=n["rss_mb"], end_t=s["t"], group_end_mb=n["group_rss_mb"])
+                r["anon_settled_mb"] = n.get("anon_mb")
+            r.update(
+                end_mb=n["rss_mb"], end_t=s["t"], group_end_mb=n["group_rss_mb"], anon_end_mb=n.get("anon_mb")
+            )
             r["max_mb"] = max(r.get("max_mb", 0.0), n["rss_mb"])
     for r in rss.values():  # growth once warm: start-up (imports, first steps, buffers) is not a leak
         r["growth_mb"] = r["end_mb"] - r["settled_mb"] if "settled_mb" in r else None
+        a0, a1 = r.get("anon_settled_mb"), r.get("anon_end_mb")
+        r["anon_growth_mb"] = a1 - a0 if a0 is not None and a1 is not None else None
     out["rss"] = rss
     join = next((e for e in events if e["kind"] == "join"), None)
     j = {"spawned": None, "ready_s": None, "first_microbatch_s": None, "first_step_s": None}
@@ -148,20 +153,23 @@ def verdict(summary: dict) -> str | None:
 # ---------------------------------------------------------------------- observation
 
 
-def _rss_by_group() -> dict[int, dict[int, float]]:
-    """{process group: {pid: resident MB}} from /proc (each node leads its own group)."""
-    out: dict[int, dict[int, float]] = {}
+def _rss_by_group() -> dict[int, dict[int, tuple[float, float]]]:
+    """{process group: {pid: (resident MB, anonymous resident MB)}} from /proc (each node leads its
+    own group). Anonymous memory is what a leak grows; file-backed pages (torch's libraries) come
+    and go with the machine's memory pressure."""
+    out: dict[int, dict[int, tuple[float, float]]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             pgrp = int(stat.read_text().rsplit(")", 1)[1].split()[2])
-            pages = int((stat.parent / "statm").read_text().split()[1])
+            resident, shared = (int(x) for x in (stat.parent / "statm").read_text().split()[1:3])
         except (OSError, IndexError, ValueError):
             continue
-        out.setdefault(pgrp, {})[int(stat.parent.name)] = pages * _PAGE / 2**20
+        mb = _PAGE / 2**20
+        out.setdefault(pgrp, {})[int(stat.parent.name)] = (resident * mb, (resident - shared) * mb)
     return out
 
 
-def node_sample(lf: Life, life: int, rss: dict[int, dict[int, float]], n_stages: int) -> dict:
+def node_sample(lf: Life, life: int, rss: dict[int, dict[int, tuple[float, float]]], n_stages: int) -> dict:
     m = lf.metrics or {}
     group = rss.get(lf.proc.pid, {})
     rounds = m.get("outer_rounds", [])
@@ -177,8 +185,9 @@ def node_sample(lf: Life, life: int, rss: dict[int, dict[int, float]], n_stages:
         else None,
         "outer_committed": sum(not r["skipped"] for r in rounds),
         "outer_skipped": sum(bool(r["skipped"]) for r in rounds) + m.get("outer_alone", 0),
-        "rss_mb": round(group[lf.proc.pid], 1) if lf.proc.pid in group else None,
-        "group_rss_mb": round(sum(group.values()), 1) if group else None,
+        "rss_mb": round(group[lf.proc.pid][0], 1) if lf.proc.pid in group else None,
+        "anon_mb": round(group[lf.proc.pid][1], 1) if lf.proc.pid in group else None,
+        "group_rss_mb": round(sum(r for r, _ in group.values()), 1) if group else None,
         "dht_peers": len({p for peers in m.get("peers", {}).values() for p in peers}),
     }
 
@@ -582,17 +591,20 @@ def write_report(out: Path, doc: dict) -> None:
         )
     lines += [
         "",
-        "RSS per node (MB, node process; in brackets its process group: node + DHT process + p2pd):",
+        "RSS per process lifetime (MB; `2.1` is node 2's restart): the node process, in brackets its "
+        "process group (node + DHT process + p2pd); *anon*: the node process's anonymous resident memory "
+        "(what a leak grows; file-backed pages come and go with the machine's memory pressure).",
         "",
         f"| node | first sample (min) | RSS then | {RSS_SETTLE_S / 60:.0f} min later | last sample (min) "
-        "| RSS end | max | growth since settled |",
-        "|---|---|---|---|---|---|---|---|",
+        "| RSS end | max | growth since settled | anon growth since settled |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for node, r in sorted(sm["rss"].items(), key=lambda kv: float(kv[0])):
         lines.append(
             f"| {node} | {r['start_t'] / 60:.1f} | {r['start_mb']:.0f} ({r['group_start_mb']:.0f}) "
             f"| {_f(r.get('settled_mb'), '.0f')} | {r['end_t'] / 60:.1f} | {r['end_mb']:.0f} "
-            f"({r['group_end_mb']:.0f}) | {r['max_mb']:.0f} | {_f(r['growth_mb'], '+.0f')} |"
+            f"({r['group_end_mb']:.0f}) | {r['max_mb']:.0f} | {_f(r['growth_mb'], '+.0f')} "
+            f"| {_f(r.get('anon_growth_mb'), '+.0f')} |"
         )
     lines += [
         "",

@@ -38,6 +38,7 @@ def _node(step: int | None, mb: int, rss: float, committed: int = 0, skipped: in
         "inner_step": step,
         "microbatches": mb,
         "rss_mb": rss,
+        "anon_mb": 2 * rss - 400,  # grows twice as fast as the RSS
         "group_rss_mb": rss + 100,
         "outer_committed": committed,
         "outer_skipped": skipped,
@@ -71,6 +72,7 @@ def test_summarize_windows_joiner_and_rss() -> None:
     assert s["rss"]["0"]["group_end_mb"] == 420 and s["rss"]["4"]["start_t"] == 50.0
     # growth counts from the first sample 2 min after a process's first: 312 at t = 120 -> 320
     assert s["rss"]["0"]["settled_mb"] == 312 and s["rss"]["0"]["growth_mb"] == 8
+    assert s["rss"]["0"]["anon_growth_mb"] == 16
     assert s["rss"]["4"]["growth_mb"] == 0  # flat from t = 170 on
     assert s["rss"]["2.1"]["growth_mb"] is None  # a restart seen for less than 2 min: no growth figure
     assert (s["outer_committed"], s["outer_skipped"]) == (4, 1)  # from the last sample: 20 // 5, and 1
