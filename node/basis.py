@@ -19,6 +19,7 @@ import logging
 import random
 
 import torch
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from compression.codec import Payload
 from compression.pca import fit_basis
@@ -196,6 +197,15 @@ class BasisStore:
                 self.bytes_fetched += nbytes
                 log.info("fetched basis %d:%d from %s (%d bytes)", boundary, version, peer[:12], nbytes)
                 return reply.tensors
-            except (FrameError, asyncio.TimeoutError, OSError, ConnectionError, KeyError) as e:
+            # P2PDaemonError: p2pd refused the stream, e.g. a holder that left (handlers removed)
+            # before its DHT record expired; ask the next holder
+            except (
+                FrameError,
+                asyncio.TimeoutError,
+                OSError,
+                ConnectionError,
+                KeyError,
+                P2PDaemonError,
+            ) as e:
                 log.info("basis fetch from %s failed: %s", peer[:12], e)
         raise BasisUnavailable(f"no live peer holds basis {version} of boundary {boundary}")
