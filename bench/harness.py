@@ -57,6 +57,8 @@ VARIANTS = {
     "m90": Variant("M90", "mask", 0.90),
     "m95": Variant("M95", "mask", 0.95),
     "m95+anchors": Variant("M95+anchors", "mask", 0.95, anchors=1),
+    "pca": Variant("pca", "pca"),  # the node's default codec (node/config.py)
+    "lowrank": Variant("lowrank", "lowrank"),
 }
 
 
@@ -98,7 +100,7 @@ def write_text_data(path: Path, seq_len: int, chars_per_token: float, n: int = 2
 def model_spec(a) -> str:
     if a.mode == "real":
         return a.model or "bundled"
-    return a.model or f"emulate:{a.hidden}:{a.layers}:{a.us_per_token_layer:g}"
+    return a.model or f"emulate:{a.hidden}:{a.layers}:{a.us_per_token_layer:g}:256:{a.gpu}"
 
 
 def join_command(
@@ -387,7 +389,7 @@ def ceilings(a, links: list[dict], rate_bps: float, hidden: int) -> dict:
         # the stage with the most layers bounds it: each replica computes one microbatch at a time
         from bench.emulated import parse_spec
 
-        _, layers, us, _ = parse_spec(model_spec(a))
+        _, layers, us, _, _ = parse_spec(model_spec(a))
         most = -(-layers // a.stages)
         compute = per_stage / (most * us * 1e-6) if us > 0 else None
     return {
@@ -643,7 +645,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--stages", type=int, default=3, help="pipeline stages (default: %(default)s)")
     p.add_argument("--rate", default="80mbit", help="tbf rate of every node's link, both directions")
-    p.add_argument("--codec", default="mask", choices=["dense", "mask", "pca", "topk", "int8", "int4"])
+    p.add_argument(
+        "--codec", default="mask", choices=["dense", "mask", "pca", "lowrank", "topk", "int8", "int4"]
+    )
     p.add_argument("--mask-rate", type=float, default=0.95)
     p.add_argument("--anchors", type=int, default=0, help="anchor nodes per stage (default: %(default)s)")
     p.add_argument(
@@ -659,11 +663,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=2048, help="emulated hidden size (default: %(default)s)")
     p.add_argument("--layers", type=int, default=16, help="emulated decoder layers (default: %(default)s)")
     p.add_argument(
+        "--gpu",
+        default="h100",
+        choices=["h100", "h200", "rtx4090"],
+        help="emulated mode: the GPU the compute and codec sleeps are derived for (default: %(default)s)",
+    )
+    p.add_argument(
         "--us-per-token-layer",
         type=float,
         default=None,
         help="emulated compute, microseconds per token per layer, forward+backward "
-        "(default: a Llama-3.2-1B layer on an RTX 4090 at 40%% MFU, see bench/emulated.py)",
+        "(default: a Llama-3.2-1B layer on --gpu at 40%% MFU, see bench/emulated.py)",
     )
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--microbatch", type=int, default=8)
@@ -736,9 +746,9 @@ def main(argv: list[str] | None = None) -> int:
             print(path)
         return 0
     if a.us_per_token_layer is None:
-        from bench.emulated import DEFAULT_US
+        from bench.emulated import GPUS, layer_us_per_token
 
-        a.us_per_token_layer = DEFAULT_US
+        a.us_per_token_layer = round(layer_us_per_token(tflops=GPUS[a.gpu].bf16_tflops), 2)
     if a.nodes < a.stages:
         print(f"error: --nodes {a.nodes} cannot serve --stages {a.stages}", file=sys.stderr)
         return 2

@@ -91,11 +91,15 @@ def test_emulated_model_pipeline_shapes_hash_and_sleep():
     from node.model import content_hash, load_model
     from node.stages import build_stage, default_stage_ranges
 
-    assert abs(layer_us_per_token() - 5.6) < 0.05 and DEFAULT_US == 5.6
-    assert parse_spec("emulate") == (2048, 16, 5.6, 256)
-    assert parse_spec("emulate:512:4:10:128") == (512, 4, 10.0, 128)
+    # 0.371 GFLOP per token-layer (Llama-3.2-1B layer, fwd+bwd) at 40% of 989.4 TFLOP/s; 165.2 (RTX 4090)
+    assert abs(layer_us_per_token() - 0.371e9 / 395.8e12 * 1e6) < 0.01 and DEFAULT_US == 0.94
+    assert abs(layer_us_per_token(tflops=165.2) - 5.6) < 0.05
+    assert parse_spec("emulate") == (2048, 16, 0.94, 256, "h100")
+    assert parse_spec("emulate:512:4:10:128:rtx4090") == (512, 4, 10.0, 128, "rtx4090")
     with pytest.raises(ValueError):
         parse_spec("emulate:64:2:1:128")  # vocab > hidden
+    with pytest.raises(ValueError, match="unknown GPU"):
+        parse_spec("emulate:64:2:1:32:tpu")
     m, tok, name = load_model("emulate:128:4:200:64", seed=3)
     assert tok is None and "emulated" in name
     assert content_hash(m) == content_hash(load_model("emulate:128:4:200:64", seed=3)[0])
