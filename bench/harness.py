@@ -116,13 +116,15 @@ def join_command(
     peers: list[str],
     wait_peers: int,
 ) -> list[str]:
+    # behind a delay proxy the node listens on its namespace's loopback and announces the proxy
+    host = "127.0.0.1" if a.delay_ms > 0 else topo.addr(ns_index)
     cmd = [
         sys.executable,
         "-m",
         "node",
         "join",
         "--host",
-        topo.addr(ns_index),
+        host,
         "--port",
         str(PORT),
         "--run-id",
@@ -175,6 +177,8 @@ def join_command(
         "--lr",
         str(a.lr),
     ]
+    if a.delay_ms > 0:
+        cmd += ["--announce-maddr", f"/ip4/{topo.addr(ns_index)}/tcp/{PORT}"]
     if circuit != "fast":
         cmd += ["--circuit", circuit]
     cmd += shlex.split(a.node_args or "")
@@ -197,6 +201,7 @@ class Swarm:
         self.a, self.v, self.topo, self.rundir, self.data = a, v, topo, rundir, data
         self.run_id = f"harness-{uuid.uuid4().hex[:8]}"
         self.procs: list[subprocess.Popen] = []
+        self.proxies: dict[int, subprocess.Popen] = {}  # node index -> its delay proxy
         self.roles: list[tuple[int, str]] = []  # (stage, circuit) per node
         self.n_fast = a.nodes
         self.n_total = a.nodes + v.anchors * a.stages
@@ -204,9 +209,26 @@ class Swarm:
     def nodedir(self, i: int) -> Path:
         return self.rundir / "nodes" / str(i)
 
+    def _proxy(self, i: int) -> None:
+        """The delay proxy in front of node i: peers connect to it, it connects to the node."""
+        addr = self.topo.addr(i)
+        cmd = self.topo.exec_prefix(i) + [
+            sys.executable, "-m", "bench.delayproxy", "--listen", f"{addr}:{PORT}",
+            "--to", f"127.0.0.1:{PORT}", "--delay-ms", f"{self.a.delay_ms:g}",
+        ]  # fmt: skip
+        p = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True
+        )
+        self.proxies[i] = p
+        line = p.stdout.readline().strip()  # "ready" once it listens
+        if line != "ready":
+            raise HarnessError(f"the delay proxy of node {i} did not start: {line or p.wait()}")
+
     def _spawn(self, i: int, stage: int, circuit: str, peers: list[str]) -> None:
         d = self.nodedir(i)
         d.mkdir(parents=True, exist_ok=True)
+        if self.a.delay_ms > 0:
+            self._proxy(i)
         for stale in ("ready.json", "metrics.json"):
             (d / stale).unlink(missing_ok=True)
         cmd = join_command(
@@ -300,6 +322,14 @@ class Swarm:
                 except (ProcessLookupError, PermissionError):
                     pass
                 p.wait(timeout=10)
+        for p in self.proxies.values():
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(timeout=5)
         self.topo.kill_all_processes()  # DHT processes and p2pd daemons left behind, if any
 
 
@@ -427,6 +457,22 @@ def _cores_by_command(cpu: dict) -> dict[str, float]:
     return {k: round((v - cpu["s0"].get(k, 0.0)) / dt, 3) for k, v in sorted(cpu["s1"].items())}
 
 
+def _node_cores(cpu: dict, proxies: dict[int, int]) -> tuple[dict[str, float], dict[str, float]]:
+    """Per node: the cores its namespace's processes used over the window, and its proxy's."""
+    if "n1" not in cpu:
+        return {}, {}
+    dt = cpu["t1"] - cpu["t0"]
+    nodes, prox = {}, {}
+    for i, pids in sorted(cpu["n1"].items()):
+        before = cpu["n0"].get(i, {})
+        used = {pid: s - before.get(pid, 0.0) for pid, s in pids.items()}
+        px = proxies.get(i)
+        nodes[str(i)] = round(sum(u for pid, u in used.items() if pid != px) / dt, 3)
+        if px is not None:
+            prox[str(i)] = round(used.get(px, 0.0) / dt, 3)
+    return nodes, prox
+
+
 class LinkCut:
     """The link-cut fault: node ``node``'s link goes down ``at`` s into the window for ``seconds``.
 
@@ -490,7 +536,9 @@ class LinkCut:
 def run_one(a, v: Variant, topo: Topology, out: Path, data: Path, command: str) -> dict:
     from node.report import build_report
 
-    rundir = out / f"{v.label}-{round(topo.rate_bps / 1e6)}mbit-{a.mode}"
+    rundir = out / (
+        f"{v.label}-{round(topo.rate_bps / 1e6)}mbit-{a.mode}-rtt{round(2 * a.delay_ms)}-if{a.max_inflight}"
+    )
     rundir.mkdir(parents=True, exist_ok=True)
     swarm = Swarm(a, v, topo, rundir, data)
     snaps: list[dict] = []
@@ -537,11 +585,11 @@ def run_one(a, v: Variant, topo: Topology, out: Path, data: Path, command: str) 
             if t_first is not None and a.cut_node >= 0:
                 cut.step(snap, t_first)
             if t_first is not None and snap["t"] >= t_first and "t0" not in cpu:
-                cpu.update(t0=time.monotonic(), s0=topo.cpu_seconds())
+                cpu.update(t0=time.monotonic(), s0=topo.cpu_seconds(), n0=topo.cpu_by_node())
             if t_first is not None and (
                 snap["t"] - t_first >= a.seconds or (a.steps and tail_steps >= a.steps)
             ):
-                cpu.update(t1=time.monotonic(), s1=topo.cpu_seconds())
+                cpu.update(t1=time.monotonic(), s1=topo.cpu_seconds(), n1=topo.cpu_by_node())
                 break
             if snap["t"] - t_start > a.timeout:
                 raise HarnessError(f"no result within --timeout {a.timeout:.0f}s")
@@ -568,6 +616,7 @@ def run_one(a, v: Variant, topo: Topology, out: Path, data: Path, command: str) 
     s = summarise(snaps, a, v, topo, t_first)
     links = link_table(rep)
     hidden = hidden_size(a)
+    node_cpu, proxy_cpu = _node_cores(cpu, {i: p.pid for i, p in swarm.proxies.items()})
     entry = {
         "label": v.label,
         "codec": v.codec,
@@ -605,6 +654,13 @@ def run_one(a, v: Variant, topo: Topology, out: Path, data: Path, command: str) 
         "dropped_microbatches": rep["dropped_microbatches"],
         # CPU cores the swarm's processes (nodes, DHT processes, p2pd) used during the window
         "swarm_cpu_cores": _cores(cpu),
+        # each node's namespace (node, its DHT process, its p2pd; not its delay proxy), in cores
+        "cpu_util": node_cpu,
+        "cpu_util_max": max(node_cpu.values(), default=None),
+        "proxy_cpu_util": proxy_cpu,
+        "delay_ms": a.delay_ms,
+        "rtt_ms": 2 * a.delay_ms,
+        "gpu": a.gpu if a.mode == "emulated" else None,
         "swarm_cpu_cores_by_command": _cores_by_command(cpu),
         "host_cpus": os.cpu_count(),
         "anchor_bytes": rep.get("anchor_bytes", 0),
@@ -622,7 +678,8 @@ def run_one(a, v: Variant, topo: Topology, out: Path, data: Path, command: str) 
         f"  -> {e['tokens_per_s']:.0f} tokens/s  (ceiling {e['ceiling_tokens_per_s'] or 0:.0f}), "
         f"{e['bytes_per_token'] or 0:.1f} B/token, busiest link {e['link_utilisation'] or 0:.0%} "
         f"of the cap (wire {e['wire_utilisation'] or 0:.0%}), {e['dropped_microbatches']} dropped, "
-        f"swarm used {e['swarm_cpu_cores']} of {e['host_cpus']} cores (load {e['loadavg_1m']})",
+        f"swarm used {e['swarm_cpu_cores']} of {e['host_cpus']} cores (load {e['loadavg_1m']}), "
+        f"busiest node {e['cpu_util_max']} cores",
         flush=True,
     )
     return entry
@@ -679,6 +736,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatch", type=int, default=8)
     p.add_argument("--batch-tokens", type=int, default=262144, help="tokens per node per optimizer step")
     p.add_argument("--max-inflight", type=int, default=16)
+    p.add_argument(
+        "--delay-ms",
+        type=float,
+        default=20.0,
+        help="one-way latency added by a userspace proxy in front of every node (each connection "
+        "crosses one: RTT = 2 x this; 0: no proxy; default: %(default)s ms, RTT 40 ms)",
+    )
     p.add_argument("--hop-timeout", type=float, default=180.0)
     p.add_argument(
         "--heartbeat",

@@ -238,6 +238,24 @@ class Topology:
                 continue
         return out
 
+    def cpu_by_node(self) -> dict[int, dict[int, float]]:
+        """{node index: {pid: user + system CPU seconds}} of the processes in each node namespace."""
+        tick = os.sysconf("SC_CLK_TCK")
+        out: dict[int, dict[int, float]] = {}
+        for i in range(self.n):
+            if self.ns(i) not in self.created:
+                continue
+            p = _run(["ip", "netns", "pids", self.ns(i)], check=False)
+            got = out.setdefault(i, {})
+            for pid in (int(x) for x in p.stdout.split() if x.strip().isdigit()):
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                    got[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+                except (OSError, IndexError, ValueError):
+                    continue
+        return out
+
     def teardown(self) -> None:
         self.kill_all_processes()
         for ns in reversed(self.created):
