@@ -273,7 +273,8 @@ def test_codec_gpu_seconds_h100_figures():
     )
     # lowrank encode: + Gram 2 x 4096 x 2048^2 = 34.4 GFLOP at 494.7 TFLOP/s + 9 x 2048^3 FP64 at 6.7 TFLOP/s
     lr = codec_gpu_seconds("lowrank", "encode", rows, hidden, 0, g, 96)
-    assert lr == pytest.approx(30e-6 + 12.5e-6 + 1.61e9 / 494.7e12 + 34.36e9 / 494.7e12 + 77.3e9 / 6.7e12, rel=5e-3)
+    want = 30e-6 + 12.5e-6 + 1.61e9 / 494.7e12 + 34.36e9 / 494.7e12 + 77.3e9 / 6.7e12
+    assert lr == pytest.approx(want, rel=5e-3)
 
 
 def test_emulated_compute_sleeps_and_builds_no_activation():
