@@ -771,10 +771,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--codecs",
         default="dense,m95",
-        help=f"variants for --compare, from {','.join(VARIANTS)} (default: %(default)s)",
+        help=f"variants for --compare, from {','.join(VARIANTS)}; NAME@N runs it at --max-inflight N "
+        "(default: %(default)s)",
     )
     p.add_argument(
-        "--sweep", default="", help="also run dense and M95 at these rates in Mbit/s (same other settings)"
+        "--sweep", default="", help="also run --sweep-codecs at these rates in Mbit/s (same other settings)"
+    )
+    p.add_argument(
+        "--sweep-codecs",
+        default="dense,m95",
+        help="variants of --sweep and --rtt-sweep, NAME or NAME@INFLIGHT (default: %(default)s)",
+    )
+    p.add_argument(
+        "--rtt-sweep", default="", help="also run --sweep-codecs at these round-trip times in ms (e.g. 0,100)"
+    )
+    p.add_argument(
+        "--inflight-sweep", default="", help="also run --inflight-codec at these --max-inflight values"
+    )
+    p.add_argument(
+        "--inflight-codec", default="m95", help="variant of --inflight-sweep (default: %(default)s)"
     )
     p.add_argument(
         "--cut-node",
@@ -821,24 +836,17 @@ def main(argv: list[str] | None = None) -> int:
     except NetnsUnavailable as e:
         print(f"bench.harness: cannot build the capped network here: {e}", file=sys.stderr)
         return EXIT_UNSUPPORTED
-    if a.compare:
-        variants = []
-        for name in a.codecs.split(","):
-            if name.strip().lower() not in VARIANTS:
-                print(f"error: unknown variant {name!r}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
-                return 2
-            variants.append(VARIANTS[name.strip().lower()])
-    else:
-        variants = [variant_from_args(a)]
-    rate = parse_rate(a.rate)
-    plan = [(rate, v) for v in variants]
-    for r in (x for x in a.sweep.split(",") if x.strip()):
-        plan += [(float(r) * 1e6, VARIANTS["dense"]), (float(r) * 1e6, VARIANTS["m95"])]
+    try:
+        plan = build_plan(a)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rate = plan[0][0]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     data = out / "data.txt"
     write_text_data(data, a.seq_len, chars_per_token=1.0 if a.mode == "emulated" else 8.0, seed=a.seed)
-    n_ns = a.nodes + max(v.anchors for _, v in plan) * a.stages
+    n_ns = a.nodes + max(v.anchors for _, v, _ in plan) * a.stages
     topo = Topology(n_ns, rate)
     old_int, old_term = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -856,13 +864,15 @@ def main(argv: list[str] | None = None) -> int:
             mbit = topo.tcp_rate_check(0, 1) / 1e6
             a._tcp_check_mbit = round(mbit, 2)
             print(f"raw TCP {topo.ns(1)} -> {topo.ns(0)}: {mbit:.1f} Mbit/s (cap {rate / 1e6:g})", flush=True)
-        for r, v in plan:
+        for r, v, over in plan:
             if r != topo.rate_bps:
                 topo.shape(r)
                 if not a.skip_tcp_check:
                     a._tcp_check_mbit = round(topo.tcp_rate_check(0, 1) / 1e6, 2)
             try:
-                entries.append(run_one(a, v, topo, out, data, command))
+                entries.append(
+                    run_one(argparse.Namespace(**{**vars(a), **over}), v, topo, out, data, command)
+                )
             except HarnessError as e:
                 print(f"run {v.label} @ {r / 1e6:g} Mbit/s failed: {e}", file=sys.stderr, flush=True)
                 status = 1
@@ -881,11 +891,12 @@ def main(argv: list[str] | None = None) -> int:
     if entries:
         print_table(entries)
     if a.compare and entries:
-        base = [e for e in entries if e["label"] == "dense" and e["rate_mbit"] == rate / 1e6]
-        for e in entries:
-            if base and e["rate_mbit"] == rate / 1e6 and e["label"] != "dense" and base[0]["tokens_per_s"]:
+        main = [e for e in entries if e["rate_mbit"] == rate / 1e6 and e["rtt_ms"] == 2 * a.delay_ms]
+        base = [e for e in main if e["label"] == "dense"]
+        for e in main:
+            if base and e["label"] != "dense" and base[0]["tokens_per_s"]:
                 print(
-                    f"{e['label']} / dense tokens/s at {rate / 1e6:g} Mbit/s: "
+                    f"{e['label']} / dense tokens/s at {rate / 1e6:g} Mbit/s, RTT {e['rtt_ms']:g} ms: "
                     f"{e['tokens_per_s'] / base[0]['tokens_per_s']:.1f}x",
                     flush=True,
                 )
@@ -897,17 +908,48 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
+def _variant(name: str) -> tuple[Variant, dict]:
+    """'m95' or 'dense@4' (its own --max-inflight) -> (variant, overrides)."""
+    key, _, inflight = name.strip().lower().partition("@")
+    if key not in VARIANTS:
+        raise ValueError(
+            f"unknown variant {name!r}; choose from {', '.join(VARIANTS)} (NAME@INFLIGHT allowed)"
+        )
+    if inflight and not inflight.isdigit():
+        raise ValueError(f"{name!r}: the part after @ is a --max-inflight, an integer")
+    return VARIANTS[key], ({"max_inflight": int(inflight)} if inflight else {})
+
+
+def build_plan(a) -> list[tuple[float, Variant, dict]]:
+    """(rate in bit/s, variant, overrides of the run's settings) for every run of this command."""
+    rate = parse_rate(a.rate)
+    if a.compare:
+        plan = [(rate, *_variant(n)) for n in a.codecs.split(",") if n.strip()]
+    else:
+        plan = [(rate, variant_from_args(a), {})]
+    sweep = [_variant(n) for n in a.sweep_codecs.split(",") if n.strip()]
+    for r in (x for x in a.sweep.split(",") if x.strip()):
+        plan += [(float(r) * 1e6, v, over) for v, over in sweep]
+    for rtt in (x for x in a.rtt_sweep.split(",") if x.strip()):
+        plan += [(rate, v, {**over, "delay_ms": float(rtt) / 2}) for v, over in sweep]
+    inflight_variant, _ = _variant(a.inflight_codec)
+    for n in (x for x in a.inflight_sweep.split(",") if x.strip()):
+        plan.append((rate, inflight_variant, {"max_inflight": int(n)}))
+    return plan
+
+
 def print_table(entries: list[dict]) -> None:
     print(
-        f"{'variant':<13}{'Mbit/s':>7}{'tok/s':>10}{'ceiling':>10}{'B/token':>10}{'link util':>10}"
-        f"{'wire util':>10}{'dropped':>8}"
+        f"{'variant':<13}{'Mbit/s':>7}{'RTT':>5}{'infl':>5}{'tok/s':>9}{'ceiling':>9}{'B/token':>9}"
+        f"{'link':>6}{'wire':>6}{'drop':>5}{'node CPU':>9}"
     )
     for e in entries:
         print(
-            f"{e['label']:<13}{e['rate_mbit']:>7g}{e['tokens_per_s']:>10.0f}"
-            f"{e['ceiling_tokens_per_s'] or 0:>10.0f}{e['bytes_per_token'] or 0:>10.1f}"
-            f"{e['link_utilisation'] or 0:>10.0%}{e['wire_utilisation'] or 0:>10.0%}"
-            f"{e['dropped_microbatches']:>8}"
+            f"{e['label']:<13}{e['rate_mbit']:>7g}{e['rtt_ms']:>5g}{e['max_inflight']:>5}"
+            f"{e['tokens_per_s']:>9.0f}{e['ceiling_tokens_per_s'] or 0:>9.0f}"
+            f"{e['bytes_per_token'] or 0:>9.1f}"
+            f"{e['link_utilisation'] or 0:>6.0%}{e['wire_utilisation'] or 0:>6.0%}"
+            f"{e['dropped_microbatches']:>5}{e['cpu_util_max'] or 0:>9.2f}"
         )
 
 
