@@ -457,6 +457,12 @@ def _cores_by_command(cpu: dict) -> dict[str, float]:
     return {k: round((v - cpu["s0"].get(k, 0.0)) / dt, 3) for k, v in sorted(cpu["s1"].items())}
 
 
+def _dp_bytes_per_token(a) -> float:
+    from bench.harness_report import dp_bytes_per_token
+
+    return dp_bytes_per_token(stages=a.stages, batch_tokens=a.batch_tokens)
+
+
 def _node_cores(cpu: dict, proxies: dict[int, int]) -> tuple[dict[str, float], dict[str, float]]:
     """Per node: the cores its namespace's processes used over the window, and its proxy's."""
     if "n1" not in cpu:
@@ -664,6 +670,11 @@ def run_one(a, v: Variant, topo: Topology, out: Path, data: Path, command: str) 
         "swarm_cpu_cores_by_command": _cores_by_command(cpu),
         "host_cpus": os.cpu_count(),
         "anchor_bytes": rep.get("anchor_bytes", 0),
+        "basis_bytes": rep.get("basis_bytes", 0),
+        "run_tokens": rep.get("tokens", 0),
+        # DiLoCo + PowerSGD factors of a 1B-class stage at this run's cadence (not sent: the
+        # emulated layers hold one weight each; bench/harness_report.py derives it)
+        "dp_bytes_per_token": round(_dp_bytes_per_token(a), 2),
         "tcp_check_mbit": getattr(a, "_tcp_check_mbit", None),
         "command": command,
         "report": str(rundir / "report.json"),
@@ -808,6 +819,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--plot-only", action="store_true", help="only redraw the plots from --results, run nothing"
     )
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="after the runs, redraw the plots and rewrite bench/results/harness.md from --results",
+    )
     return p
 
 
@@ -900,11 +916,15 @@ def main(argv: list[str] | None = None) -> int:
                     f"{e['tokens_per_s'] / base[0]['tokens_per_s']:.1f}x",
                     flush=True,
                 )
-    if a.plot and entries:
+    if (a.plot or a.report) and entries:
         from bench.harness_plots import plot_all
 
         for path in plot_all(Path(a.results), RESULTS):
             print(f"plot: {path}")
+    if a.report and entries:
+        from bench.harness_report import write
+
+        print(f"report: {write(Path(a.results))}")
     return status
 
 
