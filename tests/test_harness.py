@@ -302,3 +302,18 @@ def test_emulated_compute_sleeps_and_builds_no_activation():
     assert n == 2 * 99 - 9 and g.shape == y.shape and set(g.stride()) == {0}
     assert ch.backward(y, g, None) is None
     assert all(p.grad is not None for p in head.parameters())
+
+
+def test_dp_bytes_per_token_of_a_1b_stage():
+    """PowerSGD rank 16 of Llama-3.2-1B over 3 stages (6, 6, 4 layers; embedding and lm_head at the ends).
+
+    Per layer r(m+n): q, o 16 x 4096; k, v 16 x 2560; gate, up, down 16 x 10240; two norms 2048 dense
+    = 708,608 numbers; embedding / lm_head 16 x (128256 + 2048) = 2,084,864. All stages: 15,507,456
+    fp32 numbers = 62.03 MB per round, sent once in an all-reduce of 2, per 10 x 262,144 tokens.
+    """
+    from bench.harness_report import dp_bytes_per_token
+
+    assert dp_bytes_per_token() == pytest.approx(15_507_456 * 4 / 2_621_440, rel=1e-9)
+    # rounds half as often: half the bytes; a group of 4 moves 2 x 3/4 of its vector per round
+    assert dp_bytes_per_token(outer_every=20) == pytest.approx(dp_bytes_per_token() / 2)
+    assert dp_bytes_per_token(group=4) == pytest.approx(1.5 * dp_bytes_per_token())
