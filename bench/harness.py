@@ -286,6 +286,13 @@ class Swarm:
             self._spawn(self.n_fast + j, j % a.stages, "anchor", peers)
         self._wait_ready(list(range(1, self.n_total)))
 
+    def roots(self) -> dict[int, list[int]]:
+        """The pids started for each node: the node and, with --delay-ms, its proxy."""
+        out = {i: [p.pid] for i, p in enumerate(self.procs)}
+        for i, p in self.proxies.items():
+            out.setdefault(i, []).append(p.pid)
+        return out
+
     def check_alive(self) -> None:
         for i, p in enumerate(self.procs):
             if p.poll() is not None:
@@ -591,11 +598,19 @@ def run_one(a, v: Variant, topo: Topology, out: Path, data: Path, command: str) 
             if t_first is not None and a.cut_node >= 0:
                 cut.step(snap, t_first)
             if t_first is not None and snap["t"] >= t_first and "t0" not in cpu:
-                cpu.update(t0=time.monotonic(), s0=topo.cpu_seconds(), n0=topo.cpu_by_node())
+                cpu.update(
+                    t0=time.monotonic(),
+                    s0=topo.cpu_seconds(swarm.roots()),
+                    n0=topo.cpu_by_node(swarm.roots()),
+                )
             if t_first is not None and (
                 snap["t"] - t_first >= a.seconds or (a.steps and tail_steps >= a.steps)
             ):
-                cpu.update(t1=time.monotonic(), s1=topo.cpu_seconds(), n1=topo.cpu_by_node())
+                cpu.update(
+                    t1=time.monotonic(),
+                    s1=topo.cpu_seconds(swarm.roots()),
+                    n1=topo.cpu_by_node(swarm.roots()),
+                )
                 break
             if snap["t"] - t_start > a.timeout:
                 raise HarnessError(f"no result within --timeout {a.timeout:.0f}s")
