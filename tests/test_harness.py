@@ -317,3 +317,17 @@ def test_dp_bytes_per_token_of_a_1b_stage():
     # rounds half as often: half the bytes; a group of 4 moves 2 x 3/4 of its vector per round
     assert dp_bytes_per_token(outer_every=20) == pytest.approx(dp_bytes_per_token() / 2)
     assert dp_bytes_per_token(group=4) == pytest.approx(1.5 * dp_bytes_per_token())
+
+
+def test_emulated_model_calibrates_a_pca_basis():
+    """The run's starter fits the PCA link bases on the whole emulated model (the default codec's path)."""
+    import torch
+
+    from node.basis import calibrate
+    from node.model import load_model
+
+    m, _, _ = load_model("emulate:256:4:0:64:h100", seed=0)
+    ids = torch.randint(0, 63, (2, 32))
+    (mean, v), = calibrate(m, [[0, 2], [2, 4]], [(ids, ids)], 16, pad_id=-1)
+    assert mean.shape == (256,) and v.shape == (256, 16)
+    torch.testing.assert_close(v.T @ v, torch.eye(16), atol=1e-4, rtol=0)
