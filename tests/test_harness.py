@@ -24,6 +24,7 @@ SMOKE = [
     "--max-inflight", "4", "--hop-timeout", "30", "--heartbeat", "1",
     "--rate", "2mbit", "--warmup", "2", "--seconds", "6", "--timeout", "100",
     "--skip-tcp-check",
+    "--delay-ms", "0",  # no proxy: tests/test_delayproxy.py covers it, and it costs a slow start here
 ]  # fmt: skip
 
 
