@@ -19,19 +19,34 @@ The sleeps happen inside the stage's forward and backward, i.e. in the node's co
 thread, exactly where the real model's compute would run. Init is seeded, so every peer
 computes the same content hash; the speed figure is part of the config (and so the hash).
 
-Default speed: 5.6 us per token per layer (forward + backward) is a Llama-3.2-1B-shaped
-decoder layer (hidden 2048, 16 layers, ~60.8 M parameters per layer) trained on an RTX 4090
-at 40% of its 165.2 dense BF16 TFLOP/s (FP32 accumulate; NVIDIA Ada GA102 whitepaper):
-6 * 60.8e6 FLOPs + causal attention 6 * T * h (T = 512) = 0.371 GFLOP per token per layer,
-/ 66 TFLOP/s = 5.6 us. bench/results/harness.md writes the derivation out.
+Default speed: a Llama-3.2-1B-shaped decoder layer (hidden 2048, 16 layers, ~60.8 M
+parameters per layer): 6 * 60.8e6 FLOPs + causal attention 6 * T * h (T = 512) = 0.371 GFLOP
+per token per layer, forward + backward, at 40% of the stated GPU's dense BF16 peak: 0.94 us
+on an H100 SXM (989.4 TFLOP/s), 5.6 us on an RTX 4090 (165.2). ``--model
+emulate:H:L:US:VOCAB:GPU`` names the GPU (default h100).
+
+GPU-side work (issue 16). A node whose model is emulated also gets ``EmulatedCompute`` and
+``EmulatedLinkCodec`` (node.runtime builds them): the stage's forward/backward/loss and the
+codec's dense-side tensor work (gather, scatter, projection, eigendecomposition, the copies
+between GPU and host) become sleeps from a cost model of the GPU (``codec_gpu_seconds``),
+and inside the node an activation is a zero-stride stand-in of shape (B, T, H) that holds
+no (T, H) data. What crosses a link stays real: every frame carries a payload of the real
+codec's names, dtypes and shapes (cut from the real codec's own output on a small probe),
+through the real frame encoder, checks, auth and libp2p. bench/results/harness.md writes
+the derivations out.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from compression.codec import LinkCodec, LinkContext, Payload, payload_nbytes
+from node.compute import Compute
 
 EMULATE = "emulate"
 DEFAULT_HIDDEN = 2048
@@ -40,15 +55,48 @@ DEFAULT_VOCAB = 256
 
 # Llama-3.2-1B decoder layer: q,o 2048x2048; k,v 2048x512 (8 KV heads of 64); MLP 3 x 2048x8192
 LAYER_PARAMS_1B = 2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 8192 + 2 * 2048
-RTX4090_BF16_TFLOPS = 165.2  # dense tensor FLOP/s, FP32 accumulate (Ada whitepaper)
+VOCAB_1B = 128256  # Llama-3.2-1B's lm_head rows: the tail's emulated loss pays for them
 MFU = 0.40  # a realistic share of peak for a 1B model at 4k-token microbatches
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """Datasheet figures of one GPU: what the sleeps are derived from."""
+
+    name: str
+    bf16_tflops: float  # dense tensor-core BF16 FLOP/s (no sparsity), 1e12
+    fp64_tflops: float  # FP64 tensor-core FLOP/s, 1e12 (the eigensolver)
+    hbm_gbps: float  # memory bandwidth, GB/s
+    pcie_gbps: float  # host <-> device copies of a payload, GB/s achieved with pinned memory
+
+
+GPUS = {
+    # H100 SXM5 datasheet: 989.4 BF16 (1979 with sparsity), 67 FP64 tensor, 3.35 TB/s HBM3;
+    # PCIe Gen5 x16 is 64 GB/s per direction, ~50 achieved
+    "h100": Gpu("H100 SXM5", 989.4, 67.0, 3350.0, 50.0),
+    # H200 SXM: the H100's compute, 4.8 TB/s HBM3e
+    "h200": Gpu("H200 SXM", 989.4, 67.0, 4800.0, 50.0),
+    # Ada whitepaper: 165.2 dense BF16 with FP32 accumulate, 1.29 FP64 (1/64 rate), 1008 GB/s;
+    # PCIe Gen4 x16 32 GB/s, ~25 achieved
+    "rtx4090": Gpu("RTX 4090", 165.2, 1.29, 1008.0, 25.0),
+}
+DEFAULT_GPU = "h100"
+
+# cost-model constants (stated in bench/results/harness.md)
+KERNEL_S = 10e-6  # launch + tail of one small kernel
+KERNELS_PER_OP = 3  # e.g. cast, gather, copy
+MATMUL_EFF = 0.5  # share of BF16 peak a skinny (T, H) x (H, k) projection reaches
+MEM_EFF = 0.8  # share of HBM bandwidth a streaming kernel reaches
+SORT_KEYS_PER_S = 5e9  # segmented sort of 32-bit keys (the mask's per-token channel choice)
+EIGH_FLOPS = 9.0  # x H^3 for a symmetric eigendecomposition (tridiagonalise + vectors)
+EIGH_EFF = 0.1  # share of FP64 peak a 2048 x 2048 eigensolver reaches
 
 
 def layer_us_per_token(
     layer_params: int = LAYER_PARAMS_1B,
     hidden: int = 2048,
     seq_len: int = 512,
-    tflops: float = RTX4090_BF16_TFLOPS,
+    tflops: float = GPUS[DEFAULT_GPU].bf16_tflops,
     mfu: float = MFU,
 ) -> float:
     """Microseconds one decoder layer spends per token, forward + backward, at ``mfu`` of ``tflops``."""
@@ -56,14 +104,47 @@ def layer_us_per_token(
     return flops / (tflops * 1e12 * mfu) * 1e6
 
 
-DEFAULT_US = round(layer_us_per_token(), 1)  # 5.6
+def lm_head_us_per_token(gpu: Gpu, hidden: int = 2048, vocab: int = VOCAB_1B, mfu: float = MFU) -> float:
+    """The tail's vocabulary projection and its backward, per token (6 FLOPs per weight)."""
+    return 6 * vocab * hidden / (gpu.bf16_tflops * 1e12 * mfu) * 1e6
 
 
-def parse_spec(spec: str) -> tuple[int, int, float, int]:
-    """``emulate[:HIDDEN[:LAYERS[:US[:VOCAB]]]]`` -> (hidden, layers, us per token per layer, vocab)."""
+def codec_gpu_seconds(
+    codec_id: str, op: str, rows: int, hidden: int, payload_bytes: int, gpu: Gpu, k: int
+) -> float:
+    """Seconds the GPU side of one codec operation takes: ``op`` is 'encode' or 'decode'.
+
+    Memory: the fp32 (rows, hidden) side is read (encode) or written (decode), the payload
+    written or read, at MEM_EFF of HBM; FLOPs: a projection onto k directions (pca, lowrank),
+    lowrank's Gram matrix and eigendecomposition per encode; the mask's per-token channel
+    choice as a sort of rows x hidden keys; the payload crosses PCIe; a few kernel launches.
+    """
+    hbm = rows * hidden * 4 + payload_bytes
+    t = KERNELS_PER_OP * KERNEL_S + hbm / (gpu.hbm_gbps * 1e9 * MEM_EFF)
+    t += payload_bytes / (gpu.pcie_gbps * 1e9)
+    mm = gpu.bf16_tflops * 1e12 * MATMUL_EFF
+    if codec_id in ("pca", "lowrank"):
+        t += 2 * rows * hidden * k / mm
+    if codec_id == "lowrank" and op == "encode":
+        t += 2 * rows * hidden * hidden / mm + EIGH_FLOPS * hidden**3 / (gpu.fp64_tflops * 1e12 * EIGH_EFF)
+    if codec_id == "mask":
+        t += rows * hidden / SORT_KEYS_PER_S
+    return t
+
+
+DEFAULT_US = round(layer_us_per_token(), 2)  # 0.94 (H100 SXM)
+
+
+def parse_spec(spec: str) -> tuple[int, int, float, int, str]:
+    """``emulate[:HIDDEN[:LAYERS[:US[:VOCAB[:GPU]]]]]`` -> (hidden, layers, us/token/layer, vocab, gpu)."""
     parts = spec.split(":")
-    if parts[0] != EMULATE or len(parts) > 5:
-        raise ValueError(f"--model {spec!r}: expected emulate[:HIDDEN[:LAYERS[:US_PER_TOKEN_LAYER[:VOCAB]]]]")
+    if parts[0] != EMULATE or len(parts) > 6:
+        raise ValueError(
+            f"--model {spec!r}: expected emulate[:HIDDEN[:LAYERS[:US_PER_TOKEN_LAYER[:VOCAB[:GPU]]]]]"
+        )
+    gpu = parts[5] if len(parts) > 5 and parts[5] else DEFAULT_GPU
+    if gpu not in GPUS:
+        raise ValueError(f"--model {spec!r}: unknown GPU {gpu!r}; choose from {', '.join(GPUS)}")
     try:
         hidden = int(parts[1]) if len(parts) > 1 and parts[1] else DEFAULT_HIDDEN
         layers = int(parts[2]) if len(parts) > 2 and parts[2] else DEFAULT_LAYERS
@@ -73,7 +154,7 @@ def parse_spec(spec: str) -> tuple[int, int, float, int]:
         raise ValueError(f"--model {spec!r}: HIDDEN, LAYERS and VOCAB are integers, US a number") from None
     if hidden < 1 or layers < 1 or us < 0 or not 2 <= vocab <= hidden:
         raise ValueError(f"--model {spec!r}: need hidden >= 1, layers >= 1, us >= 0, 2 <= vocab <= hidden")
-    return hidden, layers, us, vocab
+    return hidden, layers, us, vocab, gpu
 
 
 def _sleep(seconds: float) -> None:
@@ -157,6 +238,18 @@ class EmulatedCausalLM(nn.Module):
         )
         self.lm_head = EmulatedHead(config.vocab_size)
 
+    def forward(self, input_ids: torch.Tensor, output_hidden_states: bool = False, **_ignored):
+        """The whole model at once, as node.basis.calibrate runs it on the run's starter (once, at
+        start): the residual stream entering every layer, then the logits."""
+        from types import SimpleNamespace
+
+        hidden = [self.model.embed_tokens(input_ids)]
+        for layer in self.model.layers:
+            hidden.append(layer(hidden[-1]))
+        return SimpleNamespace(
+            logits=self.lm_head(hidden[-1]), hidden_states=tuple(hidden) if output_hidden_states else None
+        )
+
     def get_input_embeddings(self):
         return self.model.embed_tokens
 
@@ -164,7 +257,7 @@ class EmulatedCausalLM(nn.Module):
         return self.lm_head
 
 
-def emulated_config(hidden: int, layers: int, us: float, vocab: int):
+def emulated_config(hidden: int, layers: int, us: float, vocab: int, gpu: str = DEFAULT_GPU):
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(
@@ -179,17 +272,223 @@ def emulated_config(hidden: int, layers: int, us: float, vocab: int):
         attn_implementation="sdpa",
     )
     cfg.emulate_us_per_token_layer = float(us)  # part of to_dict(), hence of the content hash
+    cfg.emulate_gpu = gpu
     return cfg
 
 
 def load_emulated(spec: str, seed: int = 0):
     """(model, None, display name) for ``--model emulate:...``; same seed -> same weights."""
-    hidden, layers, us, vocab = parse_spec(spec)
+    hidden, layers, us, vocab, gpu = parse_spec(spec)
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        m = EmulatedCausalLM(emulated_config(hidden, layers, us, vocab))
+        m = EmulatedCausalLM(emulated_config(hidden, layers, us, vocab, gpu))
         nn.init.normal_(m.model.embed_tokens.weight, std=1.0)
     finally:
         torch.random.set_rng_state(gen_state)
-    return m.float().eval(), None, f"emulated-{layers}x{hidden}-{us:g}us"
+    return m.float().eval(), None, f"emulated-{layers}x{hidden}-{us:g}us-{gpu}"
+
+
+# ---------------------------------------------------------------------------------------------- GPU side
+_ZERO = torch.zeros(())
+
+
+def standin(shape: tuple[int, ...]) -> torch.Tensor:
+    """A (B, T, H) activation that holds no data: one zero, expanded (every stride 0)."""
+    return _ZERO.expand(*shape)
+
+
+def is_emulated(stage) -> bool:
+    return getattr(stage.config, "emulate_gpu", None) is not None
+
+
+class EmulatedCompute(Compute):
+    """The compute thread of an emulated stage: forward, backward and loss are sleeps, no tensors.
+
+    Forward sleeps a third of the stage's layer time, backward two thirds (training FLOPs split
+    1:2); the tail also pays for a 1B model's lm_head (``lm_head_us_per_token``). Outputs and
+    input gradients are zero-stride stand-ins, so no (T, H) tensor is ever built on the CPU.
+    """
+
+    def __init__(self, stage, device: torch.device | None = None) -> None:
+        super().__init__(device)
+        cfg = stage.config
+        self.gpu = GPUS[cfg.emulate_gpu]
+        self.hidden, self.vocab = cfg.hidden_size, cfg.vocab_size
+        self.layer_s = sum(layer.us_per_token for layer in stage.layers) * 1e-6
+        self.lm_head_s = lm_head_us_per_token(self.gpu, cfg.hidden_size) * 1e-6 if stage.is_tail else 0.0
+        # the optimizer steps what it is given: zero gradients keep every step path exercised
+        self.params = [p for p in stage.parameters() if p.requires_grad]
+
+    def _zero_grads(self) -> None:
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    def forward(self, stage, x: torch.Tensor, is_head: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        b, t = x.shape[:2]
+        _sleep(b * t * self.layer_s / 3.0)
+        return standin((b, t, self.hidden)), None if is_head else x
+
+    def tail(self, stage, x: torch.Tensor, labels: torch.Tensor, is_head: bool):
+        b, t = x.shape[:2]
+        _sleep(b * t * (self.layer_s + self.lm_head_s))
+        n = int((labels[:, 1:] != -100).sum())
+        self._zero_grads()
+        # no logits exist: the loss reported is that of a uniform guess
+        return math.log(self.vocab), n, None if is_head else standin((b, t, self.hidden))
+
+    def backward(
+        self, y: torch.Tensor, grad_y: torch.Tensor, leaf: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        b, t = y.shape[:2]
+        _sleep(b * t * self.layer_s * 2.0 / 3.0)
+        self._zero_grads()
+        return None if leaf is None else standin(tuple(leaf.shape))
+
+
+# a probe of (PROBE_B, PROBE_T, PROBE_H or H): its payload dims equal to these scale with the frame
+PROBE_B, PROBE_T, PROBE_H = 7, 131, 257
+
+
+class EmulatedLinkCodec(LinkCodec):
+    """The real codec's payload layout and bytes, with its GPU-side tensor work as a sleep.
+
+    Encode returns a payload of the names, dtypes and shapes the wrapped codec produces for
+    this frame, cut from its own output on a (7, 131, H) probe and tiled to the frame's size
+    (checked against the codec's own byte count); decode checks names and shapes and returns
+    a stand-in. Basis handling (PCA) is the wrapped codec's: fetch, install, versions.
+    """
+
+    def __init__(self, inner: LinkCodec, gpu: Gpu) -> None:
+        if inner.carries_tokens:
+            raise ValueError(f"emulated links do not cover codec {inner.codec_id!r} (it carries token ids)")
+        self.inner, self.gpu = inner, gpu
+        self.codec_id, self.needs_basis = inner.codec_id, inner.needs_basis
+        k = getattr(inner, "k", 0)
+        self.k = k if isinstance(k, int) else 0
+        self._templates: dict[tuple[str, tuple[int, ...], int], Payload] = {}
+
+    # -------- the wrapped codec's settings and basis
+    def bytes_per_token(self, hidden: int) -> float:
+        return self.inner.bytes_per_token(hidden)
+
+    def describe(self) -> dict:
+        return self.inner.describe()
+
+    def payload_dtypes(self) -> dict[str, torch.dtype]:
+        return self.inner.payload_dtypes()
+
+    @property
+    def version(self) -> int | None:
+        return self.inner.version
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        return self.inner.versions
+
+    def holds_basis(self, version: int) -> bool:
+        return self.inner.holds_basis(version)
+
+    def basis_from_payload(self, payload: Payload) -> int:
+        return self.inner.basis_from_payload(payload)
+
+    def __getattr__(self, name: str):  # anything else a basis store asks the codec
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    # -------- payloads
+    def template(self, direction: str, shape: tuple[int, ...], ctx: LinkContext) -> Payload:
+        key = (direction, tuple(shape), ctx.basis_version)
+        if key not in self._templates:
+            self._templates[key] = self._build(direction, tuple(shape), ctx)
+        return self._templates[key]
+
+    def _build(self, direction: str, shape: tuple[int, ...], ctx: LinkContext) -> Payload:
+        """The payload of a ``shape`` frame; the cheapest probe that reproduces the codec's byte count.
+
+        A probe of width PROBE_H first (lowrank's eigendecomposition of a 2048-wide Gram matrix
+        takes ~45 s on these CPUs, once per direction), the frame's own width if the layout does
+        not scale with it (the mask's K, a PCA basis of fixed width)."""
+        b, t, hidden = shape
+        rows = b * t
+        if hasattr(self.inner, "frame_bytes"):
+            want = self.inner.frame_bytes(rows, hidden, direction)
+        else:
+            want = round(self.inner.bytes_per_token(hidden) * rows)
+        got = {}
+        for width in (PROBE_H, hidden) if PROBE_H < hidden else (hidden,):
+            try:
+                out = self._tile(direction, shape, width, ctx)
+            except (RuntimeError, ValueError):  # a codec with a basis of the frame's width
+                continue
+            got[width] = payload_nbytes(out)
+            if got[width] == want:
+                return out
+        raise RuntimeError(
+            f"emulated {self.codec_id} {direction} payload: probes gave {got} B for {rows} tokens, the "
+            f"codec says {want} B: its layout did not scale"
+        )
+
+    def _tile(self, direction: str, shape: tuple[int, ...], width: int, ctx: LinkContext) -> Payload:
+        b, t, hidden = shape
+        gen = torch.Generator().manual_seed(ctx.seed & 0x7FFFFFFF)
+        probe = torch.randn(PROBE_B, PROBE_T, width, generator=gen)
+        enc = self.inner.encode_forward if direction == "forward" else self.inner.encode_backward
+        sizes = {PROBE_B: b, PROBE_T: t, PROBE_B * PROBE_T: b * t, width: hidden}
+        out = {}
+        for name, x in enc(probe, ctx).items():
+            new = tuple(sizes.get(d, d) for d in x.shape)
+            n = math.prod(new)
+            flat = x.reshape(-1)
+            out[name] = flat.repeat(-(-n // max(flat.numel(), 1)))[:n].reshape(new).contiguous()
+        return out
+
+    def _encode(self, direction: str, x: torch.Tensor, ctx: LinkContext) -> Payload:
+        payload = self.template(direction, tuple(x.shape), ctx)
+        rows = x.shape[0] * x.shape[1]
+        _sleep(
+            codec_gpu_seconds(
+                self.codec_id, "encode", rows, x.shape[-1], payload_nbytes(payload), self.gpu, self.k
+            )
+        )
+        return dict(payload)
+
+    def _decode(
+        self, direction: str, payload: Payload, ctx: LinkContext, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        want = self.template(direction, tuple(shape), ctx)
+        if set(payload) != set(want) or any(tuple(payload[n].shape) != tuple(want[n].shape) for n in want):
+            got = {n: tuple(v.shape) for n, v in payload.items()}
+            raise ValueError(f"payload {got} is not the {self.codec_id} layout of a {tuple(shape)} frame")
+        rows = shape[0] * shape[1]
+        _sleep(
+            codec_gpu_seconds(
+                self.codec_id, "decode", rows, shape[-1], payload_nbytes(payload), self.gpu, self.k
+            )
+        )
+        return standin(tuple(shape))
+
+    def encode_forward(self, h: torch.Tensor, ctx: LinkContext) -> Payload:
+        return self._encode("forward", h, ctx)
+
+    def decode_forward(self, payload: Payload, ctx: LinkContext, shape: tuple[int, ...]) -> torch.Tensor:
+        return self._decode("forward", payload, ctx, shape)
+
+    def encode_backward(self, g: torch.Tensor, ctx: LinkContext) -> Payload:
+        return self._encode("backward", g, ctx)
+
+    def decode_backward(self, payload: Payload, ctx: LinkContext, shape: tuple[int, ...]) -> torch.Tensor:
+        return self._decode("backward", payload, ctx, shape)
+
+
+def emulate_links(linkio, gpu_name: str) -> None:
+    """Wrap both links' codecs of a node.linkio.LinkIO in EmulatedLinkCodec."""
+    gpu = GPUS[gpu_name]
+    for link in (linkio.link_in, linkio.link_out):
+        if link is None:
+            continue
+        dense_is_main = link.dense is link.main
+        link.main = EmulatedLinkCodec(link.main, gpu)
+        link.dense = link.main if dense_is_main else EmulatedLinkCodec(link.dense, gpu)

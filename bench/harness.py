@@ -59,6 +59,8 @@ VARIANTS = {
     "m90": Variant("M90", "mask", 0.90),
     "m95": Variant("M95", "mask", 0.95),
     "m95+anchors": Variant("M95+anchors", "mask", 0.95, anchors=1),
+    "pca": Variant("pca", "pca"),  # the node's default codec (node/config.py)
+    "lowrank": Variant("lowrank", "lowrank"),
 }
 
 
@@ -100,7 +102,7 @@ def write_text_data(path: Path, seq_len: int, chars_per_token: float, n: int = 2
 def model_spec(a) -> str:
     if a.mode == "real":
         return a.model or "bundled"
-    return a.model or f"emulate:{a.hidden}:{a.layers}:{a.us_per_token_layer:g}"
+    return a.model or f"emulate:{a.hidden}:{a.layers}:{a.us_per_token_layer:g}:256:{a.gpu}"
 
 
 def join_command(
@@ -116,8 +118,12 @@ def join_command(
     peers: list[str],
     wait_peers: int,
 ) -> list[str]:
+    # behind a delay proxy the node listens on its namespace's loopback and announces the proxy
+    host = "127.0.0.1" if a.delay_ms > 0 else topo.addr(ns_index)
+    announce = [f"/ip4/{topo.addr(ns_index)}/tcp/{PORT}"] if a.delay_ms > 0 else []
     cfg = NodeConfig(
-        host=topo.addr(ns_index),
+        host=host,
+        announce_maddrs=announce,
         port=PORT,
         run_id=run_id,
         stage=str(stage),
@@ -168,6 +174,7 @@ class Swarm:
         self.a, self.v, self.topo, self.rundir, self.data = a, v, topo, rundir, data
         self.run_id = f"harness-{uuid.uuid4().hex[:8]}"
         self.procs: list[subprocess.Popen] = []
+        self.proxies: dict[int, subprocess.Popen] = {}  # node index -> its delay proxy
         self.roles: list[tuple[int, str]] = []  # (stage, circuit) per node
         self.n_fast = a.nodes
         self.n_total = a.nodes + v.anchors * a.stages
@@ -175,9 +182,26 @@ class Swarm:
     def nodedir(self, i: int) -> Path:
         return self.rundir / "nodes" / str(i)
 
+    def _proxy(self, i: int) -> None:
+        """The delay proxy in front of node i: peers connect to it, it connects to the node."""
+        addr = self.topo.addr(i)
+        cmd = self.topo.exec_prefix(i) + [
+            sys.executable, "-m", "bench.delayproxy", "--listen", f"{addr}:{PORT}",
+            "--to", f"127.0.0.1:{PORT}", "--delay-ms", f"{self.a.delay_ms:g}",
+        ]  # fmt: skip
+        p = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True
+        )
+        self.proxies[i] = p
+        line = p.stdout.readline().strip()  # "ready" once it listens
+        if line != "ready":
+            raise HarnessError(f"the delay proxy of node {i} did not start: {line or p.wait()}")
+
     def _spawn(self, i: int, stage: int, circuit: str, peers: list[str]) -> None:
         d = self.nodedir(i)
         d.mkdir(parents=True, exist_ok=True)
+        if self.a.delay_ms > 0:
+            self._proxy(i)
         for stale in ("ready.json", "metrics.json"):
             (d / stale).unlink(missing_ok=True)
         cmd = join_command(
@@ -235,6 +259,13 @@ class Swarm:
             self._spawn(self.n_fast + j, j % a.stages, "anchor", peers)
         self._wait_ready(list(range(1, self.n_total)))
 
+    def roots(self) -> dict[int, list[int]]:
+        """The pids started for each node: the node and, with --delay-ms, its proxy."""
+        out = {i: [p.pid] for i, p in enumerate(self.procs)}
+        for i, p in self.proxies.items():
+            out.setdefault(i, []).append(p.pid)
+        return out
+
     def check_alive(self) -> None:
         for i, p in enumerate(self.procs):
             if p.poll() is not None:
@@ -271,6 +302,14 @@ class Swarm:
                 except (ProcessLookupError, PermissionError):
                     pass
                 p.wait(timeout=10)
+        for p in self.proxies.values():
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(timeout=5)
         self.topo.kill_all_processes()  # DHT processes and p2pd daemons left behind, if any
 
 
@@ -360,7 +399,7 @@ def ceilings(a, links: list[dict], rate_bps: float, hidden: int) -> dict:
         # the stage with the most layers bounds it: each replica computes one microbatch at a time
         from bench.emulated import parse_spec
 
-        _, layers, us, _ = parse_spec(model_spec(a))
+        _, layers, us, _, _ = parse_spec(model_spec(a))
         most = -(-layers // a.stages)
         compute = per_stage / (most * us * 1e-6) if us > 0 else None
     return {
@@ -396,6 +435,28 @@ def _cores_by_command(cpu: dict) -> dict[str, float]:
         return {}
     dt = cpu["t1"] - cpu["t0"]
     return {k: round((v - cpu["s0"].get(k, 0.0)) / dt, 3) for k, v in sorted(cpu["s1"].items())}
+
+
+def _dp_bytes_per_token(a) -> float:
+    from bench.harness_report import dp_bytes_per_token
+
+    return dp_bytes_per_token(stages=a.stages, batch_tokens=a.batch_tokens)
+
+
+def _node_cores(cpu: dict, proxies: dict[int, int]) -> tuple[dict[str, float], dict[str, float]]:
+    """Per node: the cores its namespace's processes used over the window, and its proxy's."""
+    if "n1" not in cpu:
+        return {}, {}
+    dt = cpu["t1"] - cpu["t0"]
+    nodes, prox = {}, {}
+    for i, pids in sorted(cpu["n1"].items()):
+        before = cpu["n0"].get(i, {})
+        used = {pid: s - before.get(pid, 0.0) for pid, s in pids.items()}
+        px = proxies.get(i)
+        nodes[str(i)] = round(sum(u for pid, u in used.items() if pid != px) / dt, 3)
+        if px is not None:
+            prox[str(i)] = round(used.get(px, 0.0) / dt, 3)
+    return nodes, prox
 
 
 class LinkCut:
@@ -461,7 +522,9 @@ class LinkCut:
 def run_one(a, v: Variant, topo: Topology, out: Path, data: Path, command: str) -> dict:
     from node.report import build_report
 
-    rundir = out / f"{v.label}-{round(topo.rate_bps / 1e6)}mbit-{a.mode}"
+    rundir = out / (
+        f"{v.label}-{round(topo.rate_bps / 1e6)}mbit-{a.mode}-rtt{round(2 * a.delay_ms)}-if{a.max_inflight}"
+    )
     rundir.mkdir(parents=True, exist_ok=True)
     swarm = Swarm(a, v, topo, rundir, data)
     snaps: list[dict] = []
@@ -508,11 +571,19 @@ def run_one(a, v: Variant, topo: Topology, out: Path, data: Path, command: str) 
             if t_first is not None and a.cut_node >= 0:
                 cut.step(snap, t_first)
             if t_first is not None and snap["t"] >= t_first and "t0" not in cpu:
-                cpu.update(t0=time.monotonic(), s0=topo.cpu_seconds())
+                cpu.update(
+                    t0=time.monotonic(),
+                    s0=topo.cpu_seconds(swarm.roots()),
+                    n0=topo.cpu_by_node(swarm.roots()),
+                )
             if t_first is not None and (
                 snap["t"] - t_first >= a.seconds or (a.steps and tail_steps >= a.steps)
             ):
-                cpu.update(t1=time.monotonic(), s1=topo.cpu_seconds())
+                cpu.update(
+                    t1=time.monotonic(),
+                    s1=topo.cpu_seconds(swarm.roots()),
+                    n1=topo.cpu_by_node(swarm.roots()),
+                )
                 break
             if snap["t"] - t_start > a.timeout:
                 raise HarnessError(f"no result within --timeout {a.timeout:.0f}s")
@@ -539,6 +610,7 @@ def run_one(a, v: Variant, topo: Topology, out: Path, data: Path, command: str) 
     s = summarise(snaps, a, v, topo, t_first)
     links = link_table(rep)
     hidden = hidden_size(a)
+    node_cpu, proxy_cpu = _node_cores(cpu, {i: p.pid for i, p in swarm.proxies.items()})
     entry = {
         "label": v.label,
         "codec": v.codec,
@@ -576,9 +648,21 @@ def run_one(a, v: Variant, topo: Topology, out: Path, data: Path, command: str) 
         "dropped_microbatches": rep["dropped_microbatches"],
         # CPU cores the swarm's processes (nodes, DHT processes, p2pd) used during the window
         "swarm_cpu_cores": _cores(cpu),
+        # each node's namespace (node, its DHT process, its p2pd; not its delay proxy), in cores
+        "cpu_util": node_cpu,
+        "cpu_util_max": max(node_cpu.values(), default=None),
+        "proxy_cpu_util": proxy_cpu,
+        "delay_ms": a.delay_ms,
+        "rtt_ms": 2 * a.delay_ms,
+        "gpu": a.gpu if a.mode == "emulated" else None,
         "swarm_cpu_cores_by_command": _cores_by_command(cpu),
         "host_cpus": os.cpu_count(),
         "anchor_bytes": rep.get("anchor_bytes", 0),
+        "basis_bytes": rep.get("basis_bytes", 0),
+        "run_tokens": rep.get("tokens", 0),
+        # DiLoCo + PowerSGD factors of a 1B-class stage at this run's cadence (not sent: the
+        # emulated layers hold one weight each; bench/harness_report.py derives it)
+        "dp_bytes_per_token": round(_dp_bytes_per_token(a), 2),
         "tcp_check_mbit": getattr(a, "_tcp_check_mbit", None),
         "command": command,
         "report": str(rundir / "report.json"),
@@ -593,7 +677,8 @@ def run_one(a, v: Variant, topo: Topology, out: Path, data: Path, command: str) 
         f"  -> {e['tokens_per_s']:.0f} tokens/s  (ceiling {e['ceiling_tokens_per_s'] or 0:.0f}), "
         f"{e['bytes_per_token'] or 0:.1f} B/token, busiest link {e['link_utilisation'] or 0:.0%} "
         f"of the cap (wire {e['wire_utilisation'] or 0:.0%}), {e['dropped_microbatches']} dropped, "
-        f"swarm used {e['swarm_cpu_cores']} of {e['host_cpus']} cores (load {e['loadavg_1m']})",
+        f"swarm used {e['swarm_cpu_cores']} of {e['host_cpus']} cores (load {e['loadavg_1m']}), "
+        f"busiest node {e['cpu_util_max']} cores",
         flush=True,
     )
     return entry
@@ -616,7 +701,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--stages", type=int, default=3, help="pipeline stages (default: %(default)s)")
     p.add_argument("--rate", default="80mbit", help="tbf rate of every node's link, both directions")
-    p.add_argument("--codec", default="mask", choices=["dense", "mask", "pca", "topk", "int8", "int4"])
+    p.add_argument(
+        "--codec", default="mask", choices=["dense", "mask", "pca", "lowrank", "topk", "int8", "int4"]
+    )
     p.add_argument("--mask-rate", type=float, default=0.95)
     p.add_argument("--anchors", type=int, default=0, help="anchor nodes per stage (default: %(default)s)")
     p.add_argument(
@@ -632,16 +719,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=2048, help="emulated hidden size (default: %(default)s)")
     p.add_argument("--layers", type=int, default=16, help="emulated decoder layers (default: %(default)s)")
     p.add_argument(
+        "--gpu",
+        default="h100",
+        choices=["h100", "h200", "rtx4090"],
+        help="emulated mode: the GPU the compute and codec sleeps are derived for (default: %(default)s)",
+    )
+    p.add_argument(
         "--us-per-token-layer",
         type=float,
         default=None,
         help="emulated compute, microseconds per token per layer, forward+backward "
-        "(default: a Llama-3.2-1B layer on an RTX 4090 at 40%% MFU, see bench/emulated.py)",
+        "(default: a Llama-3.2-1B layer on --gpu at 40%% MFU, see bench/emulated.py)",
     )
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--microbatch", type=int, default=8)
     p.add_argument("--batch-tokens", type=int, default=262144, help="tokens per node per optimizer step")
     p.add_argument("--max-inflight", type=int, default=16)
+    p.add_argument(
+        "--delay-ms",
+        type=float,
+        default=20.0,
+        help="one-way latency added by a userspace proxy in front of every node (each connection "
+        "crosses one: RTT = 2 x this; 0: no proxy; default: %(default)s ms, RTT 40 ms)",
+    )
     p.add_argument("--hop-timeout", type=float, default=180.0)
     p.add_argument(
         "--heartbeat",
@@ -670,10 +770,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--codecs",
         default="dense,m95",
-        help=f"variants for --compare, from {','.join(VARIANTS)} (default: %(default)s)",
+        help=f"variants for --compare, from {','.join(VARIANTS)}; NAME@N runs it at --max-inflight N "
+        "(default: %(default)s)",
     )
     p.add_argument(
-        "--sweep", default="", help="also run dense and M95 at these rates in Mbit/s (same other settings)"
+        "--sweep", default="", help="also run --sweep-codecs at these rates in Mbit/s (same other settings)"
+    )
+    p.add_argument(
+        "--sweep-codecs",
+        default="dense,m95",
+        help="variants of --sweep and --rtt-sweep, NAME or NAME@INFLIGHT (default: %(default)s)",
+    )
+    p.add_argument(
+        "--rtt-sweep", default="", help="also run --sweep-codecs at these round-trip times in ms (e.g. 0,100)"
+    )
+    p.add_argument(
+        "--inflight-sweep", default="", help="also run --inflight-codec at these --max-inflight values"
+    )
+    p.add_argument(
+        "--inflight-codec", default="m95", help="variant of --inflight-sweep (default: %(default)s)"
     )
     p.add_argument(
         "--cut-node",
@@ -692,6 +807,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--plot-only", action="store_true", help="only redraw the plots from --results, run nothing"
     )
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="after the runs, redraw the plots and rewrite bench/results/harness.md from --results",
+    )
     return p
 
 
@@ -709,9 +829,9 @@ def main(argv: list[str] | None = None) -> int:
             print(path)
         return 0
     if a.us_per_token_layer is None:
-        from bench.emulated import DEFAULT_US
+        from bench.emulated import GPUS, layer_us_per_token
 
-        a.us_per_token_layer = DEFAULT_US
+        a.us_per_token_layer = round(layer_us_per_token(tflops=GPUS[a.gpu].bf16_tflops), 2)
     if a.nodes < a.stages:
         print(f"error: --nodes {a.nodes} cannot serve --stages {a.stages}", file=sys.stderr)
         return 2
@@ -720,24 +840,17 @@ def main(argv: list[str] | None = None) -> int:
     except NetnsUnavailable as e:
         print(f"bench.harness: cannot build the capped network here: {e}", file=sys.stderr)
         return EXIT_UNSUPPORTED
-    if a.compare:
-        variants = []
-        for name in a.codecs.split(","):
-            if name.strip().lower() not in VARIANTS:
-                print(f"error: unknown variant {name!r}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
-                return 2
-            variants.append(VARIANTS[name.strip().lower()])
-    else:
-        variants = [variant_from_args(a)]
-    rate = parse_rate(a.rate)
-    plan = [(rate, v) for v in variants]
-    for r in (x for x in a.sweep.split(",") if x.strip()):
-        plan += [(float(r) * 1e6, VARIANTS["dense"]), (float(r) * 1e6, VARIANTS["m95"])]
+    try:
+        plan = build_plan(a)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rate = plan[0][0]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     data = out / "data.txt"
     write_text_data(data, a.seq_len, chars_per_token=1.0 if a.mode == "emulated" else 8.0, seed=a.seed)
-    n_ns = a.nodes + max(v.anchors for _, v in plan) * a.stages
+    n_ns = a.nodes + max(v.anchors for _, v, _ in plan) * a.stages
     topo = Topology(n_ns, rate)
     old_int, old_term = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -755,13 +868,15 @@ def main(argv: list[str] | None = None) -> int:
             mbit = topo.tcp_rate_check(0, 1) / 1e6
             a._tcp_check_mbit = round(mbit, 2)
             print(f"raw TCP {topo.ns(1)} -> {topo.ns(0)}: {mbit:.1f} Mbit/s (cap {rate / 1e6:g})", flush=True)
-        for r, v in plan:
+        for r, v, over in plan:
             if r != topo.rate_bps:
                 topo.shape(r)
                 if not a.skip_tcp_check:
                     a._tcp_check_mbit = round(topo.tcp_rate_check(0, 1) / 1e6, 2)
             try:
-                entries.append(run_one(a, v, topo, out, data, command))
+                entries.append(
+                    run_one(argparse.Namespace(**{**vars(a), **over}), v, topo, out, data, command)
+                )
             except HarnessError as e:
                 print(f"run {v.label} @ {r / 1e6:g} Mbit/s failed: {e}", file=sys.stderr, flush=True)
                 status = 1
@@ -780,33 +895,69 @@ def main(argv: list[str] | None = None) -> int:
     if entries:
         print_table(entries)
     if a.compare and entries:
-        base = [e for e in entries if e["label"] == "dense" and e["rate_mbit"] == rate / 1e6]
-        for e in entries:
-            if base and e["rate_mbit"] == rate / 1e6 and e["label"] != "dense" and base[0]["tokens_per_s"]:
+        main = [e for e in entries if e["rate_mbit"] == rate / 1e6 and e["rtt_ms"] == 2 * a.delay_ms]
+        base = [e for e in main if e["label"] == "dense"]
+        for e in main:
+            if base and e["label"] != "dense" and base[0]["tokens_per_s"]:
                 print(
-                    f"{e['label']} / dense tokens/s at {rate / 1e6:g} Mbit/s: "
+                    f"{e['label']} / dense tokens/s at {rate / 1e6:g} Mbit/s, RTT {e['rtt_ms']:g} ms: "
                     f"{e['tokens_per_s'] / base[0]['tokens_per_s']:.1f}x",
                     flush=True,
                 )
-    if a.plot and entries:
+    if (a.plot or a.report) and entries:
         from bench.harness_plots import plot_all
 
         for path in plot_all(Path(a.results), RESULTS):
             print(f"plot: {path}")
+    if a.report and entries:
+        from bench.harness_report import write
+
+        print(f"report: {write(Path(a.results))}")
     return status
+
+
+def _variant(name: str) -> tuple[Variant, dict]:
+    """'m95' or 'dense@4' (its own --max-inflight) -> (variant, overrides)."""
+    key, _, inflight = name.strip().lower().partition("@")
+    if key not in VARIANTS:
+        raise ValueError(
+            f"unknown variant {name!r}; choose from {', '.join(VARIANTS)} (NAME@INFLIGHT allowed)"
+        )
+    if inflight and not inflight.isdigit():
+        raise ValueError(f"{name!r}: the part after @ is a --max-inflight, an integer")
+    return VARIANTS[key], ({"max_inflight": int(inflight)} if inflight else {})
+
+
+def build_plan(a) -> list[tuple[float, Variant, dict]]:
+    """(rate in bit/s, variant, overrides of the run's settings) for every run of this command."""
+    rate = parse_rate(a.rate)
+    if a.compare:
+        plan = [(rate, *_variant(n)) for n in a.codecs.split(",") if n.strip()]
+    else:
+        plan = [(rate, variant_from_args(a), {})]
+    sweep = [_variant(n) for n in a.sweep_codecs.split(",") if n.strip()]
+    for r in (x for x in a.sweep.split(",") if x.strip()):
+        plan += [(float(r) * 1e6, v, over) for v, over in sweep]
+    for rtt in (x for x in a.rtt_sweep.split(",") if x.strip()):
+        plan += [(rate, v, {**over, "delay_ms": float(rtt) / 2}) for v, over in sweep]
+    inflight_variant, _ = _variant(a.inflight_codec)
+    for n in (x for x in a.inflight_sweep.split(",") if x.strip()):
+        plan.append((rate, inflight_variant, {"max_inflight": int(n)}))
+    return plan
 
 
 def print_table(entries: list[dict]) -> None:
     print(
-        f"{'variant':<13}{'Mbit/s':>7}{'tok/s':>10}{'ceiling':>10}{'B/token':>10}{'link util':>10}"
-        f"{'wire util':>10}{'dropped':>8}"
+        f"{'variant':<13}{'Mbit/s':>7}{'RTT':>5}{'infl':>5}{'tok/s':>9}{'ceiling':>9}{'B/token':>9}"
+        f"{'link':>6}{'wire':>6}{'drop':>5}{'node CPU':>9}"
     )
     for e in entries:
         print(
-            f"{e['label']:<13}{e['rate_mbit']:>7g}{e['tokens_per_s']:>10.0f}"
-            f"{e['ceiling_tokens_per_s'] or 0:>10.0f}{e['bytes_per_token'] or 0:>10.1f}"
-            f"{e['link_utilisation'] or 0:>10.0%}{e['wire_utilisation'] or 0:>10.0%}"
-            f"{e['dropped_microbatches']:>8}"
+            f"{e['label']:<13}{e['rate_mbit']:>7g}{e['rtt_ms']:>5g}{e['max_inflight']:>5}"
+            f"{e['tokens_per_s']:>9.0f}{e['ceiling_tokens_per_s'] or 0:>9.0f}"
+            f"{e['bytes_per_token'] or 0:>9.1f}"
+            f"{e['link_utilisation'] or 0:>6.0%}{e['wire_utilisation'] or 0:>6.0%}"
+            f"{e['dropped_microbatches']:>5}{e['cpu_util_max'] or 0:>9.2f}"
         )
 
 

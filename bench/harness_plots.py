@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-ORDER = ["dense", "M90", "M95", "M95+anchors"]
+ORDER = ["dense", "M90", "M95", "M95+anchors", "pca", "lowrank"]
 
 
 def _latest(entries: list[dict], **match) -> dict[str, dict]:
@@ -105,10 +105,50 @@ def plot_sweep(entries: list[dict], path: Path, hidden: int = 2048) -> Path | No
     return path
 
 
+def plot_latency(rows: dict[tuple, dict], path: Path) -> Path | None:
+    """tokens/s against RTT (dense, M95) and against M95's microbatches in flight, at 80 Mbit/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench.harness_report import MAIN, _pick
+
+    lat = {lab: sorted(_pick(rows, lab, 80.0, None, n), key=lambda e: e["rtt_ms"]) for lab, n in MAIN[:2]}
+    inf = sorted(_pick(rows, "M95", 80.0, 40.0), key=lambda e: e["max_inflight"])
+    if not any(len(v) > 1 for v in lat.values()) and len(inf) < 2:
+        return None
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6), dpi=120)
+    for lab, es in lat.items():
+        a1.plot([e["rtt_ms"] for e in es], [e["tokens_per_s"] for e in es], "o-", label=lab)
+    a1.set_xlabel("round-trip time, ms (delay proxy)")
+    a1.set_ylabel("tokens / s")
+    a1.set_yscale("log")
+    a1.set_title("latency, 80 Mbit/s", fontsize=9)
+    a1.legend(fontsize=7)
+    a1.grid(alpha=0.3, which="both")
+    a2.plot([e["max_inflight"] for e in inf], [e["tokens_per_s"] for e in inf], "o-", color="#e07b39")
+    a2.set_xscale("log", base=2)
+    a2.set_xlabel("M95 microbatches in flight per node")
+    a2.set_ylabel("tokens / s")
+    a2.set_title("in flight needed to hide RTT 40 ms", fontsize=9)
+    a2.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def plot_all(results: Path, outdir: Path) -> list[Path]:
-    entries = json.loads(results.read_text())
+    """The plots of issue 16's entries (those with ``rtt_ms``): codecs, rate sweep, latency."""
+    from bench.harness_report import MAIN, _pick, latest
+
+    rows = latest(json.loads(results.read_text()))
+    main = [e for lab, n in MAIN for e in _pick(rows, lab, 80.0, 40.0, n)]
+    rate = [e for e in _pick(rows, None, None, 40.0) if e["rate_mbit"] != 80.0 or e in main]
     done = [
-        plot_codecs(entries, outdir / "harness_codecs_80mbit.png"),
-        plot_sweep(entries, outdir / "harness_rate_sweep.png"),
+        plot_codecs(main, outdir / "harness_codecs_80mbit.png"),
+        plot_sweep(rate, outdir / "harness_rate_sweep.png"),
+        plot_latency(rows, outdir / "harness_latency.png"),
     ]
     return [p for p in done if p is not None]

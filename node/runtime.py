@@ -66,7 +66,13 @@ class StageRuntime(Lifecycle):
         outer=None,
     ):
         self.cfg, self.run, self.index, self.stage = cfg, run, stage_index, stage
-        self.compute = Compute(device)
+        emulated = getattr(stage.config, "emulate_gpu", None)
+        if emulated:  # bench.harness: the GPU-side work of an emulated model becomes calibrated sleeps
+            from bench.emulated import EmulatedCompute, emulate_links
+
+            self.compute = EmulatedCompute(stage, device)
+        else:
+            self.compute = Compute(device)
         self.metrics = Metrics()
         ctx = self.ctx = StageContext(
             cfg=cfg,
@@ -85,6 +91,8 @@ class StageRuntime(Lifecycle):
         self.gate = StepGate(cfg.max_inflight)
         self.state = StageState(ctx, self.opt)
         self.linkio = LinkIO(run, stage_index, stage.config.vocab_size, peer_id, cfg.circuit == "anchor")
+        if emulated:
+            emulate_links(self.linkio, emulated)
         self.hops = HopClient(ctx, self.linkio.parse)
         self.maddrs: list[str] = []
         self.outer = outer  # node.diloco.OuterSync when the run averages replicas

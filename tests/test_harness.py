@@ -24,6 +24,7 @@ SMOKE = [
     "--max-inflight", "4", "--hop-timeout", "30", "--heartbeat", "1",
     "--rate", "2mbit", "--warmup", "2", "--seconds", "6", "--timeout", "100",
     "--skip-tcp-check",
+    "--delay-ms", "0",  # no proxy: tests/test_delayproxy.py covers it, and it costs a slow start here
 ]  # fmt: skip
 
 
@@ -91,11 +92,15 @@ def test_emulated_model_pipeline_shapes_hash_and_sleep():
     from node.model import content_hash, load_model
     from node.stages import build_stage, default_stage_ranges
 
-    assert abs(layer_us_per_token() - 5.6) < 0.05 and DEFAULT_US == 5.6
-    assert parse_spec("emulate") == (2048, 16, 5.6, 256)
-    assert parse_spec("emulate:512:4:10:128") == (512, 4, 10.0, 128)
+    # 0.371 GFLOP per token-layer (Llama-3.2-1B layer, fwd+bwd) at 40% of 989.4 TFLOP/s; 165.2 (RTX 4090)
+    assert abs(layer_us_per_token() - 0.371e9 / 395.8e12 * 1e6) < 0.01 and DEFAULT_US == 0.94
+    assert abs(layer_us_per_token(tflops=165.2) - 5.6) < 0.05
+    assert parse_spec("emulate") == (2048, 16, 0.94, 256, "h100")
+    assert parse_spec("emulate:512:4:10:128:rtx4090") == (512, 4, 10.0, 128, "rtx4090")
     with pytest.raises(ValueError):
         parse_spec("emulate:64:2:1:128")  # vocab > hidden
+    with pytest.raises(ValueError, match="unknown GPU"):
+        parse_spec("emulate:64:2:1:32:tpu")
     m, tok, name = load_model("emulate:128:4:200:64", seed=3)
     assert tok is None and "emulated" in name
     assert content_hash(m) == content_hash(load_model("emulate:128:4:200:64", seed=3)[0])
@@ -193,3 +198,137 @@ def test_link_cut_summary_from_snapshots():
     assert got["seconds_down"] == 20 and got["stage"] == 1 and got["dropped_during"] == 3
     assert got["microbatches_per_s_before"] == 2.0 and got["microbatches_per_s_during"] == 1.0
     assert got["microbatches_per_s_after"] == 2.0 and got["node_served_again_after_s"] == 4
+
+
+# ------------------------------------------------------------------ emulated GPU side (issue 16)
+def _real_and_emulated(name: str, **kw):
+    import torch
+
+    from bench.emulated import GPUS, EmulatedLinkCodec
+    from compression.registry import make_codec
+
+    real = make_codec(name, **kw)
+    if name == "pca":  # an orthonormal basis of the frame's width
+        q, _ = torch.linalg.qr(torch.randn(512, kw["k"], generator=torch.Generator().manual_seed(1)))
+        real.set_basis(torch.zeros(512), q, version=3)
+    emu = make_codec(name, **kw)
+    if name == "pca":
+        emu.set_basis(torch.zeros(512), q, version=3)
+    return real, EmulatedLinkCodec(emu, GPUS["h100"])
+
+
+@pytest.mark.parametrize(
+    "name,kw",
+    [
+        ("dense", {}),
+        ("mask", {"rate": 0.95}),
+        ("pca", {"k": 32, "coeff_dtype": "int8"}),
+        ("lowrank", {"k": 16, "coeff_dtype": "int8"}),
+    ],
+)
+def test_emulated_link_sends_the_real_codecs_layout(name, kw):
+    """Names, shapes, dtypes and bytes of every emulated payload are the real codec's on the same frame."""
+    import torch
+
+    from compression.codec import LinkContext, payload_nbytes
+    from protocol.frames import Frame, decode_frame, encode_frame
+
+    real, emu = _real_and_emulated(name, **kw)
+    shape = (3, 40, 512)
+    ctx = LinkContext(seed=7, basis_version=3 if name == "pca" else 0)
+    h = torch.randn(shape)
+    for direction in ("forward", "backward"):
+        enc_r = real.encode_forward if direction == "forward" else real.encode_backward
+        enc_e = emu.encode_forward if direction == "forward" else emu.encode_backward
+        want, got = enc_r(h, ctx), enc_e(torch.zeros(()).expand(shape), ctx)
+        assert {k: (tuple(v.shape), v.dtype) for k, v in got.items()} == {
+            k: (tuple(v.shape), v.dtype) for k, v in want.items()
+        }, direction
+        assert payload_nbytes(got) == payload_nbytes(want)
+        # the payload goes through the real frame encoder and its checks
+        f = Frame(kind=direction, run_id="r", shape=list(shape), tensors=got)
+        back = decode_frame(encode_frame(f), run_id="r")
+        dec = emu.decode_forward if direction == "forward" else emu.decode_backward
+        x = dec(back.tensors, ctx, shape)
+        assert x.shape == shape and set(x.stride()) == {0}  # a stand-in: no (T, H) data behind it
+    with pytest.raises(ValueError, match="layout"):
+        short = {k: v[..., :-1] if v.dim() else v for k, v in got.items()}
+        emu.decode_backward(short, ctx, shape)
+
+
+def test_codec_gpu_seconds_h100_figures():
+    """Hand-derived H100 SXM figures for one 4096-token frame of width 2048 (bench/results/harness.md)."""
+    from bench.emulated import GPUS, codec_gpu_seconds
+
+    g = GPUS["h100"]
+    rows, hidden = 4096, 2048
+    dense_payload = rows * hidden * 2  # bf16
+    # 3 launches x 10 us + (33.55 MB fp32 + 16.78 MB bf16) / (0.8 x 3.35 TB/s) + 16.78 MB / 50 GB/s
+    assert codec_gpu_seconds("dense", "encode", rows, hidden, dense_payload, g, 0) == pytest.approx(
+        30e-6 + 18.78e-6 + 335.5e-6, rel=2e-3
+    )
+    # mask: + 8.39 M keys / 5e9 keys/s = 1.678 ms of per-token channel choice
+    m = rows * 102 * 2
+    assert codec_gpu_seconds("mask", "decode", rows, hidden, m, g, 0) == pytest.approx(
+        30e-6 + (33.55e6 + m) / 2.68e12 + m / 50e9 + 1.678e-3, rel=2e-3
+    )
+    # lowrank encode: + Gram 2 x 4096 x 2048^2 = 34.4 GFLOP at 494.7 TFLOP/s + 9 x 2048^3 FP64 at 6.7 TFLOP/s
+    lr = codec_gpu_seconds("lowrank", "encode", rows, hidden, 0, g, 96)
+    want = 30e-6 + 12.5e-6 + 1.61e9 / 494.7e12 + 34.36e9 / 494.7e12 + 77.3e9 / 6.7e12
+    assert lr == pytest.approx(want, rel=5e-3)
+
+
+def test_emulated_compute_sleeps_and_builds_no_activation():
+    import time
+
+    import torch
+
+    from bench.emulated import EmulatedCompute
+    from node.model import load_model
+    from node.stages import build_stage, default_stage_ranges
+
+    m, _, _ = load_model("emulate:2048:4:50:256:h100", seed=0)
+    ranges = default_stage_ranges(m, 2)
+    head, tail = (build_stage(m, ranges, i, keep_model=True) for i in range(2))
+    ch, ct = EmulatedCompute(head), EmulatedCompute(tail)
+    ids = torch.randint(0, 255, (2, 100))
+    t0 = time.perf_counter()
+    y, leaf = ch.forward(head, ids, True)
+    fwd = time.perf_counter() - t0
+    assert leaf is None and y.shape == (2, 100, 2048) and set(y.stride()) == {0}
+    assert fwd >= 200 * 2 * 50e-6 / 3  # 200 tokens x 2 layers x 50 us / 3
+    labels = ids.clone()
+    labels[0, :10] = -100
+    loss, n, g = ct.tail(tail, y, labels, False)
+    assert n == 2 * 99 - 9 and g.shape == y.shape and set(g.stride()) == {0}
+    assert ch.backward(y, g, None) is None
+    assert all(p.grad is not None for p in head.parameters())
+
+
+def test_dp_bytes_per_token_of_a_1b_stage():
+    """PowerSGD rank 16 of Llama-3.2-1B over 3 stages (6, 6, 4 layers; embedding and lm_head at the ends).
+
+    Per layer r(m+n): q, o 16 x 4096; k, v 16 x 2560; gate, up, down 16 x 10240; two norms 2048 dense
+    = 708,608 numbers; embedding / lm_head 16 x (128256 + 2048) = 2,084,864. All stages: 15,507,456
+    fp32 numbers = 62.03 MB per round, sent once in an all-reduce of 2, per 10 x 262,144 tokens.
+    """
+    from bench.harness_report import dp_bytes_per_token
+
+    assert dp_bytes_per_token() == pytest.approx(15_507_456 * 4 / 2_621_440, rel=1e-9)
+    # rounds half as often: half the bytes; a group of 4 moves 2 x 3/4 of its vector per round
+    assert dp_bytes_per_token(outer_every=20) == pytest.approx(dp_bytes_per_token() / 2)
+    assert dp_bytes_per_token(group=4) == pytest.approx(1.5 * dp_bytes_per_token())
+
+
+def test_emulated_model_calibrates_a_pca_basis():
+    """The run's starter fits the PCA link bases on the whole emulated model (the default codec's path)."""
+    import torch
+
+    from node.basis import calibrate
+    from node.model import load_model
+
+    m, _, _ = load_model("emulate:256:4:0:64:h100", seed=0)
+    ids = torch.randint(0, 63, (2, 32))
+    (mean, v), = calibrate(m, [[0, 2], [2, 4]], [(ids, ids)], 16, pad_id=-1)
+    assert mean.shape == (256,) and v.shape == (256, 16)
+    torch.testing.assert_close(v.T @ v, torch.eye(16), atol=1e-4, rtol=0)

@@ -1,0 +1,111 @@
+"""A userspace one-way delay for the harness's links (netem is missing from this kernel).
+
+    python -m bench.delayproxy --listen 10.101.0.10:31337 --to 127.0.0.1:31337 --delay-ms 20
+
+Runs inside a node's namespace in front of the node: every TCP connection peers open to the
+node passes it, and each chunk read in either direction is written on ``delay`` seconds after
+it arrived. The reader never waits for the writer (a timestamped queue, not a sleep per read),
+so a link keeps its throughput and only gains latency: each connection crosses exactly one
+proxy (the accepting node's), so its round trip grows by twice the delay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+
+CHUNK = 1 << 16
+
+
+async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
+    """Copy ``reader`` to ``writer``, each chunk ``delay`` seconds after it was read; EOF passes too."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+    async def read() -> None:
+        while True:
+            try:
+                data = await reader.read(CHUNK)
+            except (ConnectionError, OSError):
+                data = b""
+            queue.put_nowait((loop.time() + delay, data))
+            if not data:
+                return
+
+    reading = asyncio.create_task(read())
+    try:
+        while True:
+            due, data = await queue.get()
+            wait = due - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if not data:
+                with contextlib.suppress(OSError, RuntimeError):
+                    writer.write_eof()
+                return
+            writer.write(data)
+            await writer.drain()
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        reading.cancel()
+
+
+async def _serve_one(
+    r_in: asyncio.StreamReader, w_in: asyncio.StreamWriter, host: str, port: int, delay: float
+) -> None:
+    try:
+        r_out, w_out = await asyncio.open_connection(host, port)
+    except OSError:
+        w_in.close()
+        return
+    try:
+        await asyncio.gather(pump(r_in, w_out, delay), pump(r_out, w_in, delay))
+    finally:
+        for w in (w_in, w_out):
+            w.close()
+
+
+async def serve(listen: tuple[str, int], to: tuple[str, int], delay: float, ready=None) -> None:
+    server = await asyncio.start_server(
+        lambda r, w: _serve_one(r, w, to[0], to[1], delay), listen[0], listen[1], reuse_address=True
+    )
+    if ready is not None:
+        ready()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with server:
+        await stop.wait()
+
+
+def _addr(s: str) -> tuple[str, int]:
+    host, _, port = s.rpartition(":")
+    if not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"{s!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.delayproxy", description=__doc__.split("\n\n")[0])
+    p.add_argument("--listen", type=_addr, required=True, help="HOST:PORT peers connect to")
+    p.add_argument("--to", type=_addr, required=True, help="HOST:PORT of the node behind the proxy")
+    p.add_argument("--delay-ms", type=float, required=True, help="one-way delay added to each direction")
+    a = p.parse_args(argv)
+    if a.delay_ms < 0:
+        print("error: --delay-ms must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(a.listen, a.to, a.delay_ms / 1000.0, ready=lambda: print("ready", flush=True)))
+    except OSError as e:
+        print(f"bench.delayproxy: cannot listen on {a.listen[0]}:{a.listen[1]}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
