@@ -238,18 +238,6 @@ class EmulatedCausalLM(nn.Module):
         )
         self.lm_head = EmulatedHead(config.vocab_size)
 
-    def forward(self, input_ids: torch.Tensor, output_hidden_states: bool = False, **_ignored):
-        """The whole model at once, as node.basis.calibrate runs it on the run's starter (once, at
-        start): the residual stream entering every layer, then the logits."""
-        from types import SimpleNamespace
-
-        hidden = [self.model.embed_tokens(input_ids)]
-        for layer in self.model.layers:
-            hidden.append(layer(hidden[-1]))
-        return SimpleNamespace(
-            logits=self.lm_head(hidden[-1]), hidden_states=tuple(hidden) if output_hidden_states else None
-        )
-
     def get_input_embeddings(self):
         return self.model.embed_tokens
 

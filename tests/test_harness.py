@@ -321,14 +321,21 @@ def test_dp_bytes_per_token_of_a_1b_stage():
 
 
 def test_emulated_model_calibrates_a_pca_basis():
-    """The run's starter fits the PCA link bases on the whole emulated model (the default codec's path)."""
+    """The starter fits the PCA bases stage by stage on the emulated model (the default codec's path)."""
     import torch
 
-    from node.basis import calibrate
-    from node.model import load_model
+    from node.basis import calibrate_stagewise
+    from node.model import open_model
 
-    m, _, _ = load_model("emulate:256:4:0:64:h100", seed=0)
+    source = open_model("emulate:256:4:0:64:h100")
+    ranges = [[0, 2], [2, 4]]
     ids = torch.randint(0, 63, (2, 32))
-    (mean, v), = calibrate(m, [[0, 2], [2, 4]], [(ids, ids)], 16, pad_id=-1)
+    ((mean, v),) = calibrate_stagewise(
+        lambda i: source.load_stage(ranges, i, torch.device("cpu"), torch.float32),
+        ranges,
+        [(ids, ids)],
+        16,
+        pad_id=-1,
+    )
     assert mean.shape == (256,) and v.shape == (256, 16)
     torch.testing.assert_close(v.T @ v, torch.eye(16), atol=1e-4, rtol=0)
