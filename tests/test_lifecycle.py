@@ -120,11 +120,19 @@ def test_node_that_is_pid_1_starts(tmp_path):
         wait_for(lambda: _ready(tmp_path) or p.poll() is not None, 150, "the node to claim a stage")
         assert p.poll() is None, _log(tmp_path, "out.log")
     finally:
-        # unshare ignores SIGTERM while it waits: stop the node (its child) as docker stop would
-        for child in open(f"/proc/{p.pid}/task/{p.pid}/children").read().split():
-            os.kill(int(child), signal.SIGTERM)
-        p.wait(timeout=60)
-    assert "serves stage 0" in _log(tmp_path, "out.log")
+        # unshare ignores SIGTERM while it waits: stop the node (its child) as docker stop would,
+        # SIGKILL after a grace period (a clean stop as PID 1 is measured in bench/docker_smoke.sh;
+        # this test is about starting: once, on a loaded fresh clone, the stop outlasted 60 s)
+        children = [int(c) for c in open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()]
+        for child in children:
+            os.kill(child, signal.SIGTERM)
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            for child in children:
+                os.kill(child, signal.SIGKILL)
+            p.wait(timeout=30)
+    assert "serves stage 0" in _log(tmp_path, "out.log"), _log(tmp_path, "out.log")
 
 
 def test_new_run_on_a_plain_hivemind_dht(tmp_path):
