@@ -98,7 +98,10 @@ def test_event_loop_answers_while_a_lowrank_frame_is_encoded():
         lateness, walked = asyncio.run(drive())
     finally:
         _close(rt)
-    assert rt.metrics.dropped == 1 and walked >= 0.2, (rt.metrics.dropped, walked)
+    # the walk (forward + encode) must last well past the 50 ms bound, or an encode on the loop would
+    # pass too; twice the bound is enough (the encode's own speed varies with load: 0.16 s seen
+    # after a 0.2 s calibration beside a CPU burner)
+    assert rt.metrics.dropped == 1 and walked >= 0.1, (rt.metrics.dropped, walked)
     assert lateness < 0.05, f"the event loop stalled {lateness * 1000:.0f} ms during a {walked:.2f} s walk"
 
 
