@@ -87,6 +87,7 @@ from compression.outer import GaslocOuter, OuterNesterov
 from compression.powersgd import DEFAULT_MIN_COMPRESS_NUMEL, PowerSGD, PowerSGDState, initial_q
 from node.membership import parent_death_signal
 from node.pipes import tolerate_dead_senders
+from node.stop_signal import default_signals_in_child
 
 log = logging.getLogger("node")
 
@@ -242,6 +243,7 @@ class _OuterAverager(DecentralizedAverager):
         parent_death_signal(signal.SIGKILL)
         if os.getppid() != self._node_pid:  # the node died before prctl took effect
             os._exit(0)
+        default_signals_in_child()  # not the node's start-up handler, which only sets a flag
         tolerate_dead_senders(self, "outer averager")  # see node/pipes.py
         super().run()
 

@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import shlex
-import signal
 import sys
 import time
 import zlib
@@ -38,6 +37,7 @@ from node.model import ModelSource, combine_hashes, open_model, open_pretrain_mo
 from node.routing import choose_stage
 from node.runtime import StageRuntime
 from node.stages import default_stage_ranges
+from node.stop_signal import StopRequest
 from node.wire import Wire
 from protocol.auth import key_id, load_swarm_key
 from protocol.records import RunRecord, StageRecord
@@ -83,7 +83,7 @@ def needs_basis(run: RunRecord) -> bool:
     return run.codec.get("codec") in ("pca", "pcamask")
 
 
-def calibrate_bases(cfg: NodeConfig, run: RunRecord, source: ModelSource, tok) -> list:
+def calibrate_bases(cfg: NodeConfig, run: RunRecord, source: ModelSource, tok, stop: StopRequest) -> list:
     """Basis payloads (version 1) of every boundary, from the run's data through the pretrained
     model, loaded one stage at a time (fp32 on the CPU, as the whole model was)."""
     tok = tok or ByteTokenizer(source.config.vocab_size)
@@ -91,8 +91,13 @@ def calibrate_bases(cfg: NodeConfig, run: RunRecord, source: ModelSource, tok) -
     batches = microbatches(examples, tok, run.microbatch, run.seq_len, seed=run.seed)
     t0 = time.monotonic()
     log.info("calibrating the link bases of %d boundaries (once per run)...", len(run.stages) - 1)
+
+    def load(i: int):
+        stop.check()  # calibrating a big model takes minutes: a stop request waits one stage at most
+        return source.load_stage(run.stages, i, torch.device("cpu"), torch.float32)
+
     fitted = calibrate_stagewise(
-        lambda i: source.load_stage(run.stages, i, torch.device("cpu"), torch.float32),
+        load,
         run.stages,
         batches,
         k=run.codec["k"],
@@ -176,18 +181,18 @@ def join_command(peer_id: str, maddrs: list[str], run_id: str, model: str = Node
 NEW_RUN_CHECK_S = 3.0  # --new-run: how long to look for an existing record of the run id
 
 
-def find_run(cfg: NodeConfig, dht) -> RunRecord | None:
+def find_run(cfg: NodeConfig, dht, stop: StopRequest) -> RunRecord | None:
     """The run to join (None: this node starts it). Refuses in one line what cannot be meant."""
     if not cfg.peers:
         return None
     if cfg.new_run:  # a run on a DHT that others share (a plain hivemind bootstrap, another run's swarm)
-        if read_run_record(dht, cfg.run_id, timeout=NEW_RUN_CHECK_S) is not None:
+        if read_run_record(dht, cfg.run_id, NEW_RUN_CHECK_S, stop.check) is not None:
             raise JoinError(
                 f"--new-run: run {cfg.run_id!r} already exists in the swarm at {cfg.peers[0]}; join it "
                 "without --new-run, or start another run with a different --run-id"
             )
         return None
-    run = read_run_record(dht, cfg.run_id, timeout=cfg.join_timeout)
+    run = read_run_record(dht, cfg.run_id, cfg.join_timeout, stop.check)
     if run is None:
         raise JoinError(
             f"no run {cfg.run_id!r} found in the swarm at {cfg.peers[0]} within "
@@ -197,14 +202,12 @@ def find_run(cfg: NodeConfig, dht) -> RunRecord | None:
     return run
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def run_join(cfg: NodeConfig) -> int:
-    # Until the event loop takes over signals, SIGTERM unwinds through the cleanup below
-    # (DHT process, p2pd, socket dir) instead of killing the process where it stands.
-    signal.signal(signal.SIGTERM, _interrupt)
+    # Until the event loop takes over signals, SIGTERM / Ctrl-C unwind through the cleanup below
+    # (DHT process, p2pd, socket dir) at the next phase boundary (node/stop_signal.py says why
+    # not where the signal lands) instead of killing the process where it stands.
+    stop = StopRequest()
+    stop.install()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = pick_device(cfg.device)
@@ -215,9 +218,10 @@ def run_join(cfg: NodeConfig) -> int:
         resolve_model_path(cfg.model)  # a Hub download, or its offline error, before any daemon starts
         log.info("starting p2pd and the DHT%s", f" (bootstrap: {' '.join(cfg.peers)})" if cfg.peers else "")
         dht = start_dht(cfg)
+        stop.check()
         peer_id = dht.peer_id.to_base58()
         maddrs = [str(a) for a in dht.get_visible_maddrs()]
-        run = find_run(cfg, dht)
+        run = find_run(cfg, dht, stop)
         source = load_run_model(cfg, run)  # config only: weights wait for the claimed stage
         model, tok, name = source.skeleton, source.tokenizer(), source.name
         run_is_new = run is None
@@ -245,7 +249,7 @@ def run_join(cfg: NodeConfig) -> int:
         if needs_basis(run):
             bases = BasisStore(run.run_id, dht, peer_id, timeout=cfg.join_timeout)
             if run_is_new:  # the starter calibrates every boundary, one stage of the model at a time
-                for b, payload in enumerate(calibrate_bases(cfg, run, source, tok)):
+                for b, payload in enumerate(calibrate_bases(cfg, run, source, tok, stop)):
                     bases.add(b, payload)
                 publish_run_record(dht, run)  # calibrating may outlast its lifetime
         # a node that chose its stage itself may move later; --stage N pins it (a resumed node
@@ -264,6 +268,7 @@ def run_join(cfg: NodeConfig) -> int:
                 cfg.stage = str(resume_from.counters["stage"])  # back to the stage the checkpoint holds
         mem = stage_memory(cfg, run, model, device)
         fits = stages_that_fit(cfg, mem)
+        stop.check()
         index = claim_stage(cfg, dht, run, peer_id, fits)
         del model
 
@@ -286,6 +291,7 @@ def run_join(cfg: NodeConfig) -> int:
                     json.dump({"peer_id": peer_id, "maddrs": maddrs, "stage": index}, f)
                 os.replace(cfg.ready_file + ".tmp", cfg.ready_file)
             stage = source.load_stage(run.stages, index, device)
+            stop.check()
             data = None
             if index == 0:
                 tok = tok or ByteTokenizer(stage.config.vocab_size)
@@ -311,7 +317,9 @@ def run_join(cfg: NodeConfig) -> int:
                     timeout=o.timeout,
                     mode=o.mode,
                 )
+            stop.check()  # outer is set: the cleanup below shuts its helper down
             runtime = StageRuntime(cfg, run, index, stage, dht, peer_id, data, device, outer=outer)
+            runtime.stop_request = stop
             runtime.maddrs = maddrs
             if resume_from is not None:
                 runtime.restore(resume_from)

@@ -43,6 +43,7 @@ from node.scape import SCAPE_HANDLER, ScapeSync
 from node.server import ForwardServer
 from node.state import StageState
 from node.step import StepGate
+from node.stop_signal import StopRequest
 from node.tied import TIED_HANDLER, TiedExchange
 from node.wire import raise_accept_backlog
 from protocol.records import STAGE_RECORD_BEATS, StageRecord
@@ -72,6 +73,7 @@ class Lifecycle:
     move_allowed: set[int] | None = None
     move_to: int | None = None  # set when the node left its stage to serve this one
     terminated = False  # SIGINT/SIGTERM: the process stops, whatever move_to says
+    stop_request: StopRequest | None = None  # a signal that came while the node started (join)
 
     def metrics_dict(self) -> dict:
         raise NotImplementedError
@@ -186,6 +188,9 @@ class Lifecycle:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal)
+        if self.stop_request is not None and self.stop_request.requested:
+            self.terminated = True  # it came before the loop owned the signals: nothing served yet
+            return
         bases = self.linkio.bases
         if bases is not None:
             bases.wire = ctx.wire

@@ -181,8 +181,10 @@ class LinkIO:
                         "run's first node still running?"
                     )
                 if not said:
-                    log.info("waiting for the basis of boundary %d (the run's starter may be calibrating)",
-                             boundary)
+                    log.info(
+                        "waiting for the basis of boundary %d (the run's starter may be calibrating)",
+                        boundary,
+                    )
                     said = True
                 await asyncio.sleep(BASIS_POLL_S)
             await self.bases.fetch(boundary, version, link.main)

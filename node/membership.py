@@ -18,6 +18,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 from hivemind import DHT
 from hivemind.p2p import P2P
@@ -215,9 +216,14 @@ async def dht_call(dht: DHT, method: str, *args, timeout: float, **kwargs):
     return await asyncio.wait_for(fut, timeout)
 
 
-def read_run_record(dht: DHT, run_id: str, timeout: float) -> RunRecord | None:
+def read_run_record(
+    dht: DHT, run_id: str, timeout: float, between_tries: Callable[[], None] = lambda: None
+) -> RunRecord | None:
+    """The run's record, polled for up to ``timeout`` s; ``between_tries`` may raise to give up early
+    (a stop request while the node starts)."""
     deadline = time.monotonic() + timeout
     while True:
+        between_tries()
         found = dht.get(run_key(run_id), latest=True)
         if found is not None:
             try:
