@@ -134,6 +134,10 @@ class Pipeline:
 
     async def serve(self, data: bytes) -> tuple[Frame, bytes]:
         """FORWARD frame bytes from upstream -> the BACKWARD reply and its bytes; no step taken."""
+        # Turned away before the decode queues on the compute thread: an outer round holds that
+        # thread for up to --outer-timeout, and a frame queued behind it waited out the sender's
+        # hop timeout (30 s stalls of the whole pipeline) instead of going to another replica.
+        self.gate.check_open()
         frame, codec, decoded = await self.ctx.compute(self._accept, data)
         return await self._serve(frame, codec, decoded)
 

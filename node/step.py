@@ -61,6 +61,11 @@ class StepGate:
                 raise Busy("in an outer round; try another replica")
             self.inflight += 1
 
+    def check_open(self) -> None:
+        """Raise Busy at once while work is turned away (before any of it is queued anywhere)."""
+        if self.refusing:
+            raise Busy("in an outer round; try another replica")
+
     async def set_refusing(self, refusing: bool) -> None:
         async with self._cond:
             self.refusing = refusing

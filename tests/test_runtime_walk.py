@@ -196,3 +196,32 @@ def test_a_leaving_tail_answers_the_stream_in_progress_and_turns_new_work_away()
     assert decode_frame(answered[8:], run_id="walk").kind == "backward"
     refused = decode_frame(bytes(late.buf[8:]), run_id="walk")
     assert refused.kind == "error" and refused.meta["code"] == "busy", refused.meta
+
+
+def test_a_replica_in_an_outer_round_turns_new_work_away_at_once():
+    """An outer round holds the compute thread for up to --outer-timeout and turns work away meanwhile
+    (``StepGate.set_refusing``, as ``OuterStep`` does). A FORWARD arriving then is answered ``busy`` at
+    once, so upstream retries it on another replica; queued behind the round, it waited out the
+    sender's 30 s hop timeout and stalled the pipeline (seen in a 4-node swarm)."""
+    rt = _runtime(1, 64, {"codec": "dense", "wire_dtype": "bfloat16"}, batch_tokens=10**9)
+    release = threading.Event()
+    writer = _Writer()
+
+    async def during_a_round() -> float:
+        await rt.gate.set_refusing(True)
+        the_round = asyncio.get_running_loop().run_in_executor(rt.pool, release.wait, 10.0)
+        t0 = time.perf_counter()
+        try:
+            await asyncio.wait_for(_serve(rt, _forward_bytes(3), writer), 5.0)
+            return time.perf_counter() - t0
+        finally:
+            release.set()
+            await the_round
+
+    try:
+        answered_s = asyncio.run(during_a_round())
+    finally:
+        _close(rt)
+    reply = decode_frame(bytes(writer.buf[8:]), run_id="walk")
+    assert reply.kind == "error" and reply.meta["code"] == "busy", reply.meta
+    assert "outer round" in reply.meta["message"] and answered_s < 1.0, (reply.meta, answered_s)
