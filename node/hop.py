@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 import zlib
 from collections.abc import Callable
 
@@ -27,11 +28,21 @@ HANDLER = "vnode.forward"
 
 
 class HopFailed(RuntimeError):
-    """The next stage could not be reached or did not answer; ``retry`` if another peer may help."""
+    """The next stage could not be reached or did not answer; ``retry`` if another peer may help.
 
-    def __init__(self, msg: str, retry: bool = True):
+    ``busy``: the peer answered that it takes no work now (an outer round, a SCAPE exchange, a tied
+    sync): it is alive, and will take work again in about a second.
+    """
+
+    def __init__(self, msg: str, retry: bool = True, busy: bool = False):
         super().__init__(msg)
         self.retry = retry
+        self.busy = busy
+
+
+# All replicas of the next stage busy (they average together in an outer round, ~1 s): wait and
+# try again, doubling up to the cap, until the hop's deadline, instead of dropping the microbatch.
+BUSY_RETRY_S = (0.25, 2.0)
 
 
 def gone_peers(watched: dict[str, int], routes: list[dict[str, StageRecord]]) -> list[str]:
@@ -103,25 +114,35 @@ class HopClient:
             raise HopFailed(f"{peer[:12]} sent an invalid reply: {e}") from None
         if frame.kind == "error":
             # a peer whose own downstream failed already retried; do not multiply retries upstream
-            raise HopFailed(
-                f"{peer[:12]}: {frame.meta.get('message', '?')}", retry=frame.meta.get("code") != "downstream"
-            )
+            code = frame.meta.get("code")
+            message = f"{peer[:12]}: {frame.meta.get('message', '?')}"
+            raise HopFailed(message, retry=code != "downstream", busy=code == "busy")
         if frame.kind != "backward":
             raise HopFailed(f"{peer[:12]} answered with a {frame.kind} frame")
         return frame
 
     async def send_downstream(self, data: bytes, microbatch: int, tokens: int) -> Frame:
-        """Send FORWARD frame bytes to a peer of the next stage; retry once through another peer."""
+        """Send FORWARD frame bytes to a peer of the next stage; retry once through another peer
+        after a failure, and wait out replicas that are busy (see ``BUSY_RETRY_S``)."""
         ctx = self.ctx
         nxt = ctx.index + 1
         tried: set[str] = set()
         last: HopFailed | None = None
-        for _attempt in range(2):
+        failures = 0
+        wait, give_up = BUSY_RETRY_S[0], time.monotonic() + self.deadline(ctx.index)
+        while failures < 2:
             peer = choose_peer(ctx.routes[nxt], ctx.cfg.circuit, tried, self.rng)
             if peer is None:
                 await self.refresh_routes()
                 peer = choose_peer(ctx.routes[nxt], ctx.cfg.circuit, tried, self.rng)
+            if peer is None and last is not None and last.busy and time.monotonic() + wait < give_up:
+                await asyncio.sleep(wait)
+                wait = min(2 * wait, BUSY_RETRY_S[1])
+                tried.clear()  # every replica again: the busy ones are alive
+                continue
             if peer is None:
+                if last is not None and last.busy:
+                    raise last
                 raise HopFailed(f"no live peer serves stage {nxt}", retry=False)
             tried.add(peer)
             ctx.metrics.count_frame(ctx.index, "forward", len(data) + ctx.wire.overhead, tokens)
@@ -129,8 +150,12 @@ class HopClient:
                 reply = await self.call_peer(peer, data, ctx.index)
             except HopFailed as e:
                 last = e
+                if e.busy:  # alive and back soon: keep its route, try the others first
+                    log.debug("hop to stage %d: %s", nxt, e)
+                    continue
                 log.info("hop to stage %d failed: %s", nxt, e)
                 ctx.routes[nxt].pop(peer, None)  # stop choosing it until it heartbeats again
+                failures += 1
                 if not e.retry:
                     break
                 continue

@@ -61,3 +61,77 @@ def test_hops_are_given_up_only_on_peers_whose_stage_lists_others():
     # stage 2 came back empty: a missed DHT read proves nothing, x keeps its hops
     assert gone_peers(watched, routes) == ["c"]
     assert gone_peers({"c": 5}, routes) == []  # a stage this run does not have
+
+
+def _hop_client(routes: dict):
+    """A real HopClient on a head of a 2-stage run whose peers answer through ``call_peer``."""
+    import types
+
+    from node.hop import HopClient
+
+    metrics = types.SimpleNamespace(count_frame=lambda *a: None)
+    cfg = types.SimpleNamespace(circuit="fast", hop_timeout=2.0, seed=0)
+    ctx = types.SimpleNamespace(
+        index=0, n_stages=2, routes=[{}, routes], cfg=cfg, peer_id="QmHead", metrics=metrics,
+        wire=types.SimpleNamespace(overhead=0),
+    )  # fmt: skip
+    client = HopClient(ctx, parse=None)
+
+    async def no_refresh():
+        return None
+
+    client.refresh_routes = no_refresh  # the routes are the test's: no DHT here
+    return client
+
+
+def test_a_hop_waits_out_replicas_that_are_all_busy_and_keeps_their_routes():
+    """Replicas of a stage average together (an outer round): for about a second every one answers
+    busy. The hop waits and retries instead of dropping the microbatch or forgetting the routes."""
+    import asyncio
+
+    from node.hop import HopFailed
+    from protocol.frames import Frame
+
+    routes = {p: StageRecord(ready=True) for p in ("QmA", "QmB")}
+    client = _hop_client(routes)
+    calls = []
+
+    async def call_peer(peer, data, boundary):
+        calls.append(peer)
+        if len(calls) <= 4:  # both replicas busy, twice over
+            raise HopFailed(f"{peer}: Busy: in an outer round", busy=True)
+        return Frame(kind="backward", run_id="r", microbatch=7)
+
+    client.call_peer = call_peer
+    reply = asyncio.run(client.send_downstream(b"x", 7, 1))
+    assert reply.microbatch == 7 and len(calls) == 5, calls
+    assert set(calls[:2]) == set(calls[2:4]) == {"QmA", "QmB"}, calls  # each replica once per pass
+    assert set(client.ctx.routes[1]) == {"QmA", "QmB"}  # busy peers stay routable
+
+
+def test_a_hop_gives_up_after_two_failures_and_past_its_deadline_when_busy():
+    import asyncio
+    import time
+
+    import pytest
+
+    from node.hop import HopFailed
+
+    async def refuse(peer, data, boundary):
+        raise HopFailed(f"{peer} did not answer")
+
+    client = _hop_client({p: StageRecord(ready=True) for p in ("QmA", "QmB", "QmC")})
+    client.call_peer = refuse
+    with pytest.raises(HopFailed, match="did not answer"):
+        asyncio.run(client.send_downstream(b"x", 7, 1))
+    assert len(client.ctx.routes[1]) == 1  # the two that failed are dropped until they heartbeat
+
+    async def busy(peer, data, boundary):
+        raise HopFailed(f"{peer}: Busy", busy=True)
+
+    client = _hop_client({"QmA": StageRecord(ready=True)})
+    client.call_peer = busy
+    t0 = time.monotonic()
+    with pytest.raises(HopFailed, match="Busy"):  # a hop that never gives up fails the wait_for instead
+        asyncio.run(asyncio.wait_for(client.send_downstream(b"x", 7, 1), 10.0))
+    assert 1.0 <= time.monotonic() - t0 <= 2.5  # the hop's deadline (hop_timeout 2 s), not forever
