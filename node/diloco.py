@@ -70,6 +70,7 @@ import signal
 import threading
 import time
 from collections.abc import Mapping
+from concurrent import futures
 from dataclasses import asdict, dataclass
 
 import torch
@@ -502,6 +503,7 @@ class OuterSync:
         self._token = 0
         self._inflight: int | None = None
         self._closed = False
+        self._leaving = threading.Event()  # see abort()
 
         chunk = min(10.0, max(1.0, self.timeout / 4)) if next_chunk_timeout is None else next_chunk_timeout
         make = functools.partial(
@@ -582,7 +584,15 @@ class OuterSync:
             control = self._avg.step(
                 gather={"lineage": self.lineage}, timeout=self.timeout, allow_retries=True, wait=False
             )
-            control.result(timeout=max(0.0, deadline - time.monotonic()))
+            while True:  # in slices, so that a node told to stop leaves a lonely round at once
+                if self._leaving.is_set():
+                    raise RuntimeError("the node is leaving the swarm")
+                try:
+                    control.result(timeout=min(0.25, max(0.0, deadline - time.monotonic())))
+                    break
+                except futures.TimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise
         except Exception as e:  # no group, failed all-reduce, deadline: the round is skipped
             reason = _one_line(e) or type(e).__name__
         finally:
@@ -799,6 +809,15 @@ class OuterSync:
         """A copy of theta_global (fp32, CPU)."""
         with self._cond:
             return {n: t.clone() for n, t in self._theta.items()}
+
+    def abort(self) -> None:
+        """The node is stopping: a round in progress is skipped now, and later ones too.
+
+        A replica whose partner already left waits out --outer-timeout alone; a node stopped by
+        docker stop (SIGKILL after 10 s) would die there before it writes its checkpoint.
+        Thread-safe: called from the event loop while the compute thread is in ``round``.
+        """
+        self._leaving.set()
 
     def shutdown(self) -> None:
         if self._closed:

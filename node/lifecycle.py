@@ -159,6 +159,8 @@ class Lifecycle:
     def _on_signal(self) -> None:
         self.terminated = True
         self.ctx.stop.set()
+        if self.outer is not None:  # a lonely round would hold the leave up to --outer-timeout
+            self.outer.abort()
 
     def write_health(self, serving: bool) -> None:
         ctx = self.ctx

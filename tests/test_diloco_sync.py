@@ -113,6 +113,13 @@ def _worker(index: int, sockdir: str, conn) -> None:
                 t0 = time.monotonic()
                 stats = syncs[stage].round(k)
                 out = (stats.as_dict(), snapshot(stage), time.monotonic() - t0, syncs[stage].lineage)
+            elif cmd == "round_then_abort":  # the node is told to stop `delay` s into the round
+                stage, k, delay = args
+                threading.Timer(delay, syncs[stage].abort).start()
+                t0 = time.monotonic()
+                first = syncs[stage].round(k)
+                seconds = time.monotonic() - t0
+                out = (first.as_dict(), seconds, syncs[stage].round(k + 1).as_dict())
             elif cmd == "load":
                 stage, timeout = args
                 ok = syncs[stage].load_state_from_peers(timeout=timeout)
@@ -461,6 +468,21 @@ def test_lone_peer_skips_and_keeps_its_state(peers):
     assert _max_abs(after["compressor"]["q"], before["compressor"]["q"]) == 0.0
     assert _max_abs(again["theta"], after["theta"]) == 0.0 and again["lineage"] == after["lineage"]
     assert after["totals"]["skipped"] == 1 and after["totals"]["committed"] == 0
+    a.call("close", stage)
+
+
+def test_a_node_told_to_stop_leaves_a_lonely_round_at_once(peers):
+    """A replica whose partner left waits out --outer-timeout alone; told to stop (SIGTERM), it must
+    leave the round now: docker stop kills it 10 s later, before its checkpoint otherwise."""
+    stage, timeout = 9, 20.0
+    a = peers[0]
+    theta0 = _theta0(9, SMALL)
+    a.call("open", stage, theta0, dict(BASE, rank=0, timeout=timeout), None)
+    a.call("set", stage, _dense_drift(theta0, 9001))
+    first, seconds, later = a.call("round_then_abort", stage, 0, 1.0, timeout=2 * timeout + SLACK_S)
+    assert first["skipped"] and "leaving" in first["reason"], first
+    assert 1.0 <= seconds < 3.0, seconds  # not the 20 s timeout
+    assert later["skipped"] and later["seconds"] < 1.0, later  # and no new round starts
     a.call("close", stage)
 
 
