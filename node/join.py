@@ -163,7 +163,10 @@ def claim_stage(cfg: NodeConfig, dht, run: RunRecord, peer_id: str, fits: set[in
                 f"stages that fit: {sorted(fits)}"
             )
     else:
-        index = choose_stage(read_stage_records_sync(dht, run.run_id, n), cfg.circuit, allowed=fits)
+        records = read_stage_records_sync(dht, run.run_id, n)
+        for stage in records:  # a restarted node's record from its last life is not a live replica
+            stage.pop(peer_id, None)
+        index = choose_stage(records, cfg.circuit, allowed=fits)
     # publish the claim at once (not ready yet) so the next joiner sees this stage as taken
     store_stage_record_sync(dht, run.run_id, index, peer_id, StageRecord(circuit=cfg.circuit, ready=False))
     return index

@@ -51,6 +51,14 @@ from protocol.records import STAGE_RECORD_BEATS, StageRecord
 log = logging.getLogger("node")
 
 
+
+JOIN_REREADS = 3  # extra reads of a stage that looks empty in a run that has trained (_join_from_peers)
+
+
+def _run_has_trained(routes: list[dict[str, StageRecord]]) -> bool:
+    """Some live peer of any stage has taken an inner step."""
+    return any(r.inner_step > 0 for stage in routes for r in stage.values())
+
 class Lifecycle:
     # the parts, composed by StageRuntime
     ctx: StageContext
@@ -283,6 +291,14 @@ class Lifecycle:
         """
         ctx = self.ctx
         await self.hops.refresh_routes()
+        for _ in range(JOIN_REREADS):
+            if fast_peers_of_stage(ctx) or not _run_has_trained(ctx.routes):
+                break
+            # The run has trained, yet this stage looks empty: more likely its replicas' records
+            # were missed (a late heartbeat under load, a DHT miss) than the stage truly empty, and
+            # a replica that starts from the initial weights silently trains a model of its own.
+            await asyncio.sleep(min(ctx.cfg.heartbeat_s, 3.0))
+            await self.hops.refresh_routes()
         if fast_peers_of_stage(ctx) and self.outer is not None:
             ok = await ctx.compute(self.outer.load_state_from_peers, ctx.cfg.join_timeout)
             log.info("outer state %s from the stage's replicas", "loaded" if ok else "not available")

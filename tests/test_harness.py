@@ -68,7 +68,10 @@ def test_capped_smoke(tmp_path):
         assert e["rate_mbit"] == 2.0
         assert e["wire_utilisation"] is not None, name
         assert e["wire_utilisation"] <= 1.1, (name, e["wire_bytes_per_s"])
-        assert e["link_utilisation"] <= 1.1, (name, e["egress_frame_bytes_per_s"])
+        # frame bytes count when written to the stream, and a window can end with a socket buffer
+        # (~100-200 kB) not yet on the wire: 15% of the 1.5 MB a 6 s window carries at 2 Mbit/s
+        # (measured once: 1.105). A frame counted twice would read 2x.
+        assert e["link_utilisation"] <= 1.2, (name, e["egress_frame_bytes_per_s"])
         assert e["tokens_per_s"] > 0, name
     assert res["mask"]["bytes_per_token"] < res["dense"]["bytes_per_token"] / 5
     assert res["mask"]["tokens_per_s"] > res["dense"]["tokens_per_s"], (

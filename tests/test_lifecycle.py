@@ -239,3 +239,25 @@ def test_node_joins_after_three_run_record_lifetimes(tmp_path):
         for p in (joiner, starter):
             if p is not None:
                 _stop(p)
+
+
+def test_a_restarted_node_does_not_count_its_last_lifes_record_as_a_replica():
+    """Killed, a node's stage record outlives it (until it expires); restarted with the same identity,
+    it must not count that record as a live replica when it chooses a stage: it would avoid the
+    stage it left, which has lost a replica, for a well-served one."""
+    from node.join import claim_stage
+
+    dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        run = RunRecord(run_id="restart", model_name="tiny", model_hash="x", num_layers=2, hidden=64,
+                        stages=[[0, 1], [1, 2]])  # fmt: skip
+        # stage 0: two heads; stage 1: one tail and the dead life of "QmMe" (which alone is 100 tokens/s)
+        for peer, stage, rate in (("QmHeadA", 0, 60.0), ("QmHeadB", 0, 60.0), ("QmTail", 1, 100.0),
+                                  ("QmMe", 1, 100.0)):  # fmt: skip
+            store_stage_record_sync(dht, "restart", stage, peer, StageRecord(ready=True, throughput=rate))
+        cfg = NodeConfig(run_id="restart")
+        # another node, for which QmMe's record is a live replica: stage 0 (120 tokens/s) is least served
+        assert claim_stage(cfg, dht, run, "QmOther") == 0
+        assert claim_stage(cfg, dht, run, "QmMe") == 1
+    finally:
+        dht.shutdown()
