@@ -1,0 +1,367 @@
+"""Where does a dense frame lose the 80 Mbit/s link? Goodput of A -> B transfers (issue 16).
+
+    python -m bench.linkprobe                       # the default grid, ~10 min, root needed
+    python -m bench.linkprobe --rtts 40 --sizes 16777216 --streams 1,4 --kinds p2p
+
+Two namespaces on the harness's bridge (bench/netns.py: tbf at --rate on both veth ends) and,
+at RTT > 0, the harness's delay proxy in front of B. A sends N frames of S bytes to B:
+
+* ``tcp``: one raw TCP connection, frames back to back (B acks each): the link's ceiling.
+* ``p2p``: hivemind P2P (its own p2pd) in each namespace, set up as the node's DHT sets up its
+  own; one libp2p stream per frame, as node/hop.py sends a FORWARD frame (node.rpc.open_stream,
+  node.wire), B answers each with a short reply; ``--streams`` frames in flight at a time.
+
+The receiver and sender stay up for all cases of one (RTT, kind); between cases the probe reads
+each process's CPU seconds (bench.netns.Topology.cpu_by_node), so CPU binding shows beside the
+goodput. Results: --out (.json) and a markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.harness import PORT, REPO, RESULTS, HarnessError, _cores_by_command, start_proxy
+from bench.netns import NetnsUnavailable, Topology, check_support, parse_rate
+
+EXIT_UNSUPPORTED = 3
+DENSE_FRAME = 4096 * 2048 * 2  # one 4096-token microbatch at H = 2048 in bf16
+HANDLER = "vnode.linkprobe"
+ACK = b"ok"
+CASE_TIMEOUT_S = 300.0
+SEND, RECV, PROXY = 0, 1, 2  # process groups for the CPU accounting
+
+
+# ---------------------------------------------------------------------------------------------- roles
+# Each role runs inside a namespace (`python -m bench.linkprobe --role ...`), prints one JSON
+# line when ready, then (the sender) reads one case per stdin line and answers one JSON line.
+
+
+async def _tcp_recv(host: str, port: int) -> None:
+    from node.transport import read_message, write_message
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                await read_message(reader, 1 << 31, CASE_TIMEOUT_S)
+                await write_message(writer, ACK, CASE_TIMEOUT_S)
+        except Exception:  # EOF between frames ends the case
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, host, port, reuse_address=True)
+    _say({"ready": True})
+    async with server:
+        await _until_stdin_closes()
+
+
+async def _tcp_send(host: str, port: int) -> None:
+    from node.transport import read_message, write_message
+
+    async def one_case(size: int, frames: int) -> dict:
+        data = bytes(size)
+        t0 = time.perf_counter()
+        reader, writer = await asyncio.open_connection(host, port)
+
+        async def acks() -> None:
+            for _ in range(frames):
+                await read_message(reader, 64, CASE_TIMEOUT_S)
+
+        got = asyncio.ensure_future(acks())
+        for _ in range(frames):  # back to back: the ack of one frame is never waited for
+            await write_message(writer, data, CASE_TIMEOUT_S)
+        await got
+        seconds = time.perf_counter() - t0
+        writer.close()
+        return {"seconds": seconds}
+
+    await _serve_cases(one_case)
+
+
+async def _serve_cases(one_case) -> None:
+    """Announce readiness, then run one case per stdin line and answer each with a JSON line."""
+    _say({"ready": True})
+    loop = asyncio.get_running_loop()
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        case = json.loads(line)
+        _say(await one_case(**case))
+
+
+def _p2p_kwargs() -> dict:
+    """P2P.create settings of the node's DHT (node/membership.py start_dht, NodeConfig defaults)."""
+    from node.config import NodeConfig
+
+    cfg = NodeConfig()
+    return dict(startup_timeout=60, use_relay=cfg.use_relay, use_auto_relay=cfg.use_auto_relay)
+
+
+async def _p2p_recv(host: str, port: int, announce: str) -> None:
+    from hivemind.p2p import P2P
+
+    from node.transport import close_quietly
+    from node.wire import IDLE_S, Wire
+
+    wire = Wire()
+    p2p = await P2P.create(
+        host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+        announce_maddrs=[announce] if announce else None,
+        **_p2p_kwargs(),
+    )
+
+    async def handle(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:  # as node/server.py reads a FORWARD frame: an inactivity deadline, not a total one
+            await wire.recv(reader, 1 << 31, CASE_TIMEOUT_S, idle=IDLE_S)
+            await wire.send(writer, ACK, CASE_TIMEOUT_S)
+        finally:
+            close_quietly(writer)
+
+    await p2p.add_binary_stream_handler(HANDLER, handle)
+    maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
+    _say({"ready": True, "peer_id": p2p.peer_id.to_base58(), "maddrs": maddrs})
+    try:
+        await _until_stdin_closes()
+    finally:
+        await p2p.shutdown()
+
+
+async def _p2p_send(peer_maddr: str) -> None:
+    from hivemind.p2p import P2P
+
+    from node.rpc import open_stream
+    from node.transport import close_quietly
+    from node.wire import Wire
+
+    wire = Wire()
+    p2p = await P2P.create(initial_peers=[peer_maddr], **_p2p_kwargs())
+    peer = peer_maddr.rsplit("/p2p/", 1)[1]
+
+    async def one_case(size: int, frames: int, streams: int) -> dict:
+        data = bytes(size)
+        todo = list(range(frames))
+        per_frame: list[float] = []
+
+        async def worker() -> None:
+            while todo:
+                todo.pop()
+                t = time.perf_counter()
+                reader, writer = await open_stream(p2p, peer, HANDLER, CASE_TIMEOUT_S)
+                try:
+                    await wire.send(writer, data, CASE_TIMEOUT_S)
+                    await wire.recv(reader, 64, CASE_TIMEOUT_S)
+                finally:
+                    close_quietly(writer)
+                per_frame.append(round(time.perf_counter() - t, 3))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(streams)))
+        return {"seconds": time.perf_counter() - t0, "frame_s": sorted(per_frame)}
+
+    try:
+        await _serve_cases(one_case)
+    finally:
+        await p2p.shutdown()
+
+
+async def _until_stdin_closes() -> None:
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+
+
+def _say(obj: dict) -> None:
+    obj["cpu_s"] = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+    print(json.dumps(obj), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- driver
+class Pair:
+    """Receiver in namespace 1 (behind the proxy at RTT > 0), sender in namespace 0."""
+
+    def __init__(self, topo: Topology, kind: str, delay_ms: float):
+        self.topo, self.kind, self.delay_ms = topo, kind, delay_ms
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    def _role(self, ns: int, group: int, *args: str) -> dict:
+        cmd = self.topo.exec_prefix(ns) + [sys.executable, "-m", "bench.linkprobe", "--role", *args]
+        p = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True
+        )
+        self.procs[group] = p
+        line = p.stdout.readline()
+        if not line:
+            raise HarnessError(f"{' '.join(args[:1])} in {self.topo.ns(ns)} exited with code {p.wait()}")
+        return json.loads(line)
+
+    def start(self) -> None:
+        behind = self.delay_ms > 0  # the receiver listens on its loopback, the proxy on its address
+        host = "127.0.0.1" if behind else self.topo.addr(1)
+        if behind:
+            self.procs[PROXY] = start_proxy(self.topo, 1, self.delay_ms)
+        dial = f"/ip4/{self.topo.addr(1)}/tcp/{PORT}"
+        if self.kind == "tcp":
+            self._role(1, RECV, "tcp-recv", host, str(PORT))
+            self._role(0, SEND, "tcp-send", self.topo.addr(1), str(PORT))
+        else:
+            ready = self._role(1, RECV, "p2p-recv", host, str(PORT), dial if behind else "")
+            self._role(0, SEND, "p2p-send", f"{dial}/p2p/{ready['peer_id']}")
+
+    def run_case(self, size: int, frames: int, streams: int) -> dict:
+        roots = {g: [p.pid] for g, p in self.procs.items()}
+        c0, w0, t0 = self.topo.cpu_by_node(roots, by_comm=True), self.topo.counters(), time.monotonic()
+        send = self.procs[SEND]
+        case = {"size": size, "frames": frames} | ({"streams": streams} if self.kind == "p2p" else {})
+        send.stdin.write(json.dumps(case) + "\n")
+        send.stdin.flush()
+        line = send.stdout.readline()
+        t1 = time.monotonic()
+        c1, w1 = self.topo.cpu_by_node(roots, by_comm=True), self.topo.counters()
+        if not line:
+            raise HarnessError(f"the {self.kind} sender exited with code {send.wait()} mid-case")
+        out = json.loads(line)
+        out.pop("cpu_s")
+        names = {SEND: "A", RECV: "B", PROXY: "proxy"}
+        cpu = {}
+        for g, name in names.items():
+            if g in c1:
+                for comm, cores in _cores_by_command({"s0": c0[g], "s1": c1[g], "t0": t0, "t1": t1}).items():
+                    cpu[f"{name}:{comm}"] = cores
+        wire_up = (w1.get(0, {}).get("up", 0) - w0.get(0, {}).get("up", 0)) if w0 and w1 else None
+        out["cpu_cores"] = cpu
+        out["wire_bytes"] = wire_up
+        return out
+
+    def stop(self) -> None:
+        for g in (SEND, RECV, PROXY):
+            p = self.procs.get(g)
+            if p is None or p.poll() is not None:
+                continue
+            if p.stdin:
+                p.stdin.close()  # the roles end when their stdin closes
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+        self.procs.clear()
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.linkprobe", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rate", default="80mbit", help="tbf rate of both links, both directions")
+    p.add_argument("--rtts", default="0,40,100", help="round-trip times in ms (proxy delay = half)")
+    p.add_argument("--kinds", default="tcp,p2p", help="tcp (one raw connection), p2p (a stream per frame)")
+    p.add_argument("--sizes", default=f"{DENSE_FRAME},1048576", help="frame sizes in bytes")
+    p.add_argument("--streams", default="1,2,4", help="p2p: frames in flight (concurrent streams)")
+    p.add_argument("--bytes", type=float, default=128e6, help="bytes per case; frames = max(4, bytes / size)")
+    p.add_argument("--tcp-rtts", default="0,40", help="RTTs of the tcp kind (its ceiling)")
+    p.add_argument("--label", default="baseline", help="name of this configuration in the results")
+    p.add_argument("--out", default=str(RESULTS / "linkprobe.json"), help="append the results here")
+    p.add_argument("--role", nargs="+", help=argparse.SUPPRESS)
+    return p
+
+
+def _run_role(args: list[str]) -> int:
+    role, rest = args[0], args[1:]
+    coro = {
+        "tcp-recv": lambda: _tcp_recv(rest[0], int(rest[1])),
+        "tcp-send": lambda: _tcp_send(rest[0], int(rest[1])),
+        "p2p-recv": lambda: _p2p_recv(rest[0], int(rest[1]), rest[2]),
+        "p2p-send": lambda: _p2p_send(rest[0]),
+    }[role]
+    asyncio.run(coro())
+    return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.role:
+        return _run_role(a.role)
+    try:
+        check_support()
+    except NetnsUnavailable as e:
+        print(f"bench.linkprobe: cannot build the capped network here: {e}", file=sys.stderr)
+        return EXIT_UNSUPPORTED
+    rate = parse_rate(a.rate)
+    cap = rate / 8
+    kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in ("tcp", "p2p")]
+    if bad:
+        print(f"error: unknown --kinds {bad}; choose tcp and/or p2p", file=sys.stderr)
+        return 2
+    command = "python -m bench.linkprobe " + " ".join(sys.argv[1:] if argv is None else argv)
+    topo = Topology(2, rate)
+    signal.signal(signal.SIGTERM, _interrupt)
+    rows: list[dict] = []
+    status = 0
+    try:
+        topo.build()
+        for rtt in _ints(a.rtts):
+            for kind in kinds:
+                if kind == "tcp" and rtt not in _ints(a.tcp_rtts):
+                    continue
+                pair = Pair(topo, kind, rtt / 2)
+                try:
+                    pair.start()
+                    for size in _ints(a.sizes):
+                        frames = max(4, round(a.bytes / size))
+                        for streams in _ints(a.streams) if kind == "p2p" else [1]:
+                            r = pair.run_case(size, frames, streams)
+                            row = {
+                                "label": a.label, "kind": kind, "rtt_ms": rtt, "size": size,
+                                "frames": frames, "streams": streams,
+                                "mb_per_s": size * frames / r["seconds"] / 1e6,
+                                "fill": size * frames / r["seconds"] / cap,
+                                "wire_fill": (r["wire_bytes"] or 0) / r["seconds"] / cap,
+                                **r,
+                            }  # fmt: skip
+                            rows.append(row)
+                            print(_line(row), flush=True)
+                except HarnessError as e:
+                    print(f"{kind} at RTT {rtt} failed: {e}", file=sys.stderr, flush=True)
+                    status = 1
+                finally:
+                    pair.stop()
+    except KeyboardInterrupt:
+        print("interrupted; tearing down", file=sys.stderr, flush=True)
+        status = 130
+    finally:
+        topo.teardown()
+    if rows:
+        out = Path(a.out)
+        try:
+            old = json.loads(out.read_text())
+        except (OSError, json.JSONDecodeError):
+            old = []
+        meta = {"command": command, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rate_mbit": rate / 1e6}
+        out.write_text(json.dumps(old + [{**meta, **r} for r in rows], indent=1) + "\n")
+        print(f"results appended to {out}")
+    return status
+
+
+def _line(r: dict) -> str:
+    cpu = ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_cores"].items() if v >= 0.01)
+    return (
+        f"{r['label']:<10} {r['kind']:<4} RTT {r['rtt_ms']:>3} ms  "
+        f"{r['size'] / 1e6:>5.1f} MB x {r['frames']:<3} "
+        f"{r['streams']} in flight: {r['mb_per_s']:5.2f} MB/s = {r['fill']:4.0%} of the cap "
+        f"({r['seconds']:.1f} s; cores: {cpu}; load {os.getloadavg()[0]:.1f})"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
