@@ -36,6 +36,8 @@ EXIT_UNSUPPORTED = 3
 DENSE_FRAME = 4096 * 2048 * 2  # one 4096-token microbatch at H = 2048 in bf16
 HANDLER = "vnode.linkprobe"
 ACK = b"ok"
+ECHO = 1  # a frame whose first byte is this is answered with a frame of its size (a BACKWARD reply)
+PING_EVERY_S = 0.25
 CASE_TIMEOUT_S = 300.0
 SEND, RECV, PROXY = 0, 1, 2  # process groups for the CPU accounting
 
@@ -51,8 +53,8 @@ async def _tcp_recv(host: str, port: int) -> None:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                await read_message(reader, 1 << 31, CASE_TIMEOUT_S)
-                await write_message(writer, ACK, CASE_TIMEOUT_S)
+                msg = await read_message(reader, 1 << 31, CASE_TIMEOUT_S)
+                await write_message(writer, _reply(msg), CASE_TIMEOUT_S)
         except Exception:  # EOF between frames ends the case
             pass
         finally:
@@ -67,14 +69,22 @@ async def _tcp_recv(host: str, port: int) -> None:
 async def _tcp_send(host: str, port: int) -> None:
     from node.transport import read_message, write_message
 
-    async def one_case(size: int, frames: int) -> dict:
-        data = bytes(size)
+    async def ping() -> None:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            await write_message(writer, b"\0", CASE_TIMEOUT_S)
+            await read_message(reader, 64, CASE_TIMEOUT_S)
+        finally:
+            writer.close()
+
+    async def one_case(size: int, frames: int, echo: bool) -> dict:
+        data = _frame(size, echo)
         t0 = time.perf_counter()
         reader, writer = await asyncio.open_connection(host, port)
 
         async def acks() -> None:
             for _ in range(frames):
-                await read_message(reader, 64, CASE_TIMEOUT_S)
+                await read_message(reader, 1 << 31, CASE_TIMEOUT_S)
 
         got = asyncio.ensure_future(acks())
         for _ in range(frames):  # back to back: the ack of one frame is never waited for
@@ -84,16 +94,48 @@ async def _tcp_send(host: str, port: int) -> None:
         writer.close()
         return {"seconds": seconds}
 
-    await _serve_cases(one_case)
+    await _serve_cases(one_case, ping)
 
 
-async def _serve_cases(one_case) -> None:
-    """Announce readiness, then run one case per stdin line and answer each with a JSON line."""
+async def _serve_cases(one_case, ping) -> None:
+    """Announce readiness, then run one case per stdin line and answer each with a JSON line.
+
+    While a case runs, a tiny request on a connection (tcp) or stream (p2p) of its own goes out
+    every PING_EVERY_S: its round trip is what a heartbeat or DHT reply waits behind the bulk."""
     _say({"ready": True})
     loop = asyncio.get_running_loop()
     while line := await loop.run_in_executor(None, sys.stdin.readline):
-        case = json.loads(line)
-        _say(await one_case(**case))
+        pings: list[float] = []
+
+        async def pinger(pings: list[float]) -> None:
+            while True:
+                await asyncio.sleep(PING_EVERY_S)
+                t = time.perf_counter()
+                await ping()
+                pings.append(time.perf_counter() - t)
+
+        task = asyncio.ensure_future(pinger(pings))
+        try:
+            out = await one_case(**json.loads(line))
+        finally:
+            task.cancel()
+        pings.sort()
+        out["ping_ms"] = {
+            "n": len(pings),
+            "median": round(1000 * pings[len(pings) // 2], 1) if pings else None,
+            "max": round(1000 * pings[-1], 1) if pings else None,
+        }
+        _say(out)
+
+
+def _frame(size: int, echo: bool) -> bytes:
+    data = bytearray(size)
+    data[0] = ECHO if echo else 0
+    return bytes(data)
+
+
+def _reply(msg: bytes) -> bytes:
+    return bytes(len(msg)) if msg[:1] == bytes([ECHO]) else ACK
 
 
 def _p2p_kwargs() -> dict:
@@ -119,8 +161,10 @@ async def _p2p_recv(host: str, port: int, announce: str) -> None:
 
     async def handle(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:  # as node/server.py reads a FORWARD frame: an inactivity deadline, not a total one
-            await wire.recv(reader, 1 << 31, CASE_TIMEOUT_S, idle=IDLE_S)
-            await wire.send(writer, ACK, CASE_TIMEOUT_S)
+            msg = await wire.recv(reader, 1 << 31, CASE_TIMEOUT_S, idle=IDLE_S)
+            await wire.send(writer, _reply(msg), CASE_TIMEOUT_S)
+        except Exception as e:  # the sender's traceback only says the stream closed: say why here
+            print(f"linkprobe receiver: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         finally:
             close_quietly(writer)
 
@@ -144,8 +188,16 @@ async def _p2p_send(peer_maddr: str) -> None:
     p2p = await P2P.create(initial_peers=[peer_maddr], **_p2p_kwargs())
     peer = peer_maddr.rsplit("/p2p/", 1)[1]
 
-    async def one_case(size: int, frames: int, streams: int) -> dict:
-        data = bytes(size)
+    async def call(data: bytes) -> None:
+        reader, writer = await open_stream(p2p, peer, HANDLER, CASE_TIMEOUT_S)
+        try:
+            await wire.send(writer, data, CASE_TIMEOUT_S)
+            await wire.recv(reader, len(data) + 64, CASE_TIMEOUT_S)
+        finally:
+            close_quietly(writer)
+
+    async def one_case(size: int, frames: int, streams: int, echo: bool) -> dict:
+        data = _frame(size, echo)
         todo = list(range(frames))
         per_frame: list[float] = []
 
@@ -153,12 +205,7 @@ async def _p2p_send(peer_maddr: str) -> None:
             while todo:
                 todo.pop()
                 t = time.perf_counter()
-                reader, writer = await open_stream(p2p, peer, HANDLER, CASE_TIMEOUT_S)
-                try:
-                    await wire.send(writer, data, CASE_TIMEOUT_S)
-                    await wire.recv(reader, 64, CASE_TIMEOUT_S)
-                finally:
-                    close_quietly(writer)
+                await call(data)
                 per_frame.append(round(time.perf_counter() - t, 3))
 
         t0 = time.perf_counter()
@@ -166,7 +213,7 @@ async def _p2p_send(peer_maddr: str) -> None:
         return {"seconds": time.perf_counter() - t0, "frame_s": sorted(per_frame)}
 
     try:
-        await _serve_cases(one_case)
+        await _serve_cases(one_case, lambda: call(b"\0"))
     finally:
         await p2p.shutdown()
 
@@ -212,11 +259,12 @@ class Pair:
             ready = self._role(1, RECV, "p2p-recv", host, str(PORT), dial if behind else "")
             self._role(0, SEND, "p2p-send", f"{dial}/p2p/{ready['peer_id']}")
 
-    def run_case(self, size: int, frames: int, streams: int) -> dict:
+    def run_case(self, size: int, frames: int, streams: int, echo: bool) -> dict:
         roots = {g: [p.pid] for g, p in self.procs.items()}
         c0, w0, t0 = self.topo.cpu_by_node(roots, by_comm=True), self.topo.counters(), time.monotonic()
         send = self.procs[SEND]
-        case = {"size": size, "frames": frames} | ({"streams": streams} if self.kind == "p2p" else {})
+        case = {"size": size, "frames": frames, "echo": echo}
+        case |= {"streams": streams} if self.kind == "p2p" else {}
         send.stdin.write(json.dumps(case) + "\n")
         send.stdin.flush()
         line = send.stdout.readline()
@@ -252,6 +300,13 @@ class Pair:
         self.procs.clear()
 
 
+def _cases(a, kind: str) -> list[tuple[int, str, int]]:
+    """(frame size, reply, streams) of one (RTT, kind); tcp runs one connection."""
+    replies = [r.strip() for r in a.replies.split(",") if r.strip()]
+    streams = _ints(a.streams) if kind == "p2p" else [1]
+    return [(size, r, n) for size in _ints(a.sizes) for r in replies for n in streams]
+
+
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
@@ -265,6 +320,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--streams", default="1,2,4", help="p2p: frames in flight (concurrent streams)")
     p.add_argument("--bytes", type=float, default=128e6, help="bytes per case; frames = max(4, bytes / size)")
     p.add_argument("--tcp-rtts", default="0,40", help="RTTs of the tcp kind (its ceiling)")
+    p.add_argument(
+        "--replies",
+        default="ack",
+        help="ack: B answers a frame with 2 bytes; echo: with a frame of its size, as a BACKWARD "
+        "frame answers a FORWARD one, so both directions are busy at once (as in the harness)",
+    )
     p.add_argument("--label", default="baseline", help="name of this configuration in the results")
     p.add_argument("--out", default=str(RESULTS / "linkprobe.json"), help="append the results here")
     p.add_argument("--role", nargs="+", help=argparse.SUPPRESS)
@@ -303,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"error: unknown --kinds {bad}; choose tcp and/or p2p", file=sys.stderr)
         return 2
+    bad = [r for r in a.replies.split(",") if r.strip() not in ("ack", "echo")]
+    if bad:
+        print(f"error: unknown --replies {bad}; choose ack and/or echo", file=sys.stderr)
+        return 2
     command = "python -m bench.linkprobe " + " ".join(sys.argv[1:] if argv is None else argv)
     topo = Topology(2, rate)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -317,20 +382,20 @@ def main(argv: list[str] | None = None) -> int:
                 pair = Pair(topo, kind, rtt / 2)
                 try:
                     pair.start()
-                    for size in _ints(a.sizes):
+                    for size, reply, streams in _cases(a, kind):
                         frames = max(4, round(a.bytes / size))
-                        for streams in _ints(a.streams) if kind == "p2p" else [1]:
-                            r = pair.run_case(size, frames, streams)
-                            row = {
-                                "label": a.label, "kind": kind, "rtt_ms": rtt, "size": size,
-                                "frames": frames, "streams": streams,
-                                "mb_per_s": size * frames / r["seconds"] / 1e6,
-                                "fill": size * frames / r["seconds"] / cap,
-                                "wire_fill": (r["wire_bytes"] or 0) / r["seconds"] / cap,
-                                **r,
-                            }  # fmt: skip
-                            rows.append(row)
-                            print(_line(row), flush=True)
+                        r = pair.run_case(size, frames, streams, reply == "echo")
+                        row = {
+                            "label": a.label, "kind": kind, "rtt_ms": rtt, "size": size,
+                            "frames": frames, "streams": streams, "reply": reply,
+                            # each direction moves size x frames with echo replies
+                            "mb_per_s": size * frames / r["seconds"] / 1e6,
+                            "fill": size * frames / r["seconds"] / cap,
+                            "wire_fill": (r["wire_bytes"] or 0) / r["seconds"] / cap,
+                            **r,
+                        }  # fmt: skip
+                        rows.append(row)
+                        print(_line(row), flush=True)
                 except HarnessError as e:
                     print(f"{kind} at RTT {rtt} failed: {e}", file=sys.stderr, flush=True)
                     status = 1
@@ -356,10 +421,11 @@ def main(argv: list[str] | None = None) -> int:
 def _line(r: dict) -> str:
     cpu = ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_cores"].items() if v >= 0.01)
     return (
-        f"{r['label']:<10} {r['kind']:<4} RTT {r['rtt_ms']:>3} ms  "
+        f"{r['label']:<10} {r['kind']:<4} {r['reply']:<4} RTT {r['rtt_ms']:>3} ms  "
         f"{r['size'] / 1e6:>5.1f} MB x {r['frames']:<3} "
         f"{r['streams']} in flight: {r['mb_per_s']:5.2f} MB/s = {r['fill']:4.0%} of the cap "
-        f"({r['seconds']:.1f} s; cores: {cpu}; load {os.getloadavg()[0]:.1f})"
+        f"({r['seconds']:.1f} s; ping {r['ping_ms']['median']}/{r['ping_ms']['max']} ms; "
+        f"cores: {cpu}; load {os.getloadavg()[0]:.1f})"
     )
 
 
