@@ -167,13 +167,22 @@ def _tail(path: Path, n: int = 6) -> str:
         return ""
 
 
-def start_proxy(topo: Topology, i: int, delay_ms: float, port: int = PORT) -> subprocess.Popen:
+def proxy_queue_bytes(rate_bps: float, delay_ms: float) -> int:
+    """Twice what the link carries in one delay (its one-way bandwidth-delay product), >= 64 KiB:
+    room for the proxy to keep the link full, not a place for seconds of traffic to wait."""
+    return max(64 * 1024, int(2 * rate_bps / 8 * delay_ms / 1000))
+
+
+def start_proxy(
+    topo: Topology, i: int, delay_ms: float, port: int = PORT, max_queue: int = 0
+) -> subprocess.Popen:
     """The delay proxy in front of node i: peers connect to it (ns address), it connects to the
-    node on the namespace's loopback, same port. Returns once it listens."""
+    node on the namespace's loopback, same port; ``max_queue``: bytes a direction may hold
+    (0: unbounded). Returns once it listens."""
     addr = topo.addr(i)
     cmd = topo.exec_prefix(i) + [
         sys.executable, "-m", "bench.delayproxy", "--listen", f"{addr}:{port}",
-        "--to", f"127.0.0.1:{port}", "--delay-ms", f"{delay_ms:g}",
+        "--to", f"127.0.0.1:{port}", "--delay-ms", f"{delay_ms:g}", "--max-queue", str(max_queue),
     ]  # fmt: skip
     p = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True

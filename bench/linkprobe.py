@@ -29,7 +29,15 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import PORT, REPO, RESULTS, HarnessError, _cores_by_command, start_proxy
+from bench.harness import (
+    PORT,
+    REPO,
+    RESULTS,
+    HarnessError,
+    _cores_by_command,
+    proxy_queue_bytes,
+    start_proxy,
+)
 from bench.netns import NetnsUnavailable, Topology, check_support, parse_rate
 
 EXIT_UNSUPPORTED = 3
@@ -106,15 +114,20 @@ async def _serve_cases(one_case, ping) -> None:
     loop = asyncio.get_running_loop()
     while line := await loop.run_in_executor(None, sys.stdin.readline):
         pings: list[float] = []
+        failed: list[str] = []
 
-        async def pinger(pings: list[float]) -> None:
+        async def pinger(pings: list[float], failed: list[str]) -> None:
             while True:
                 await asyncio.sleep(PING_EVERY_S)
                 t = time.perf_counter()
-                await ping()
+                try:
+                    await ping()
+                except Exception as e:  # counted, not fatal: the bulk case goes on
+                    failed.append(f"{type(e).__name__}: {e}")
+                    continue
                 pings.append(time.perf_counter() - t)
 
-        task = asyncio.ensure_future(pinger(pings))
+        task = asyncio.ensure_future(pinger(pings, failed))
         try:
             out = await one_case(**json.loads(line))
         finally:
@@ -124,6 +137,7 @@ async def _serve_cases(one_case, ping) -> None:
             "n": len(pings),
             "median": round(1000 * pings[len(pings) // 2], 1) if pings else None,
             "max": round(1000 * pings[-1], 1) if pings else None,
+            "failed": failed[:3],
         }
         _say(out)
 
@@ -231,8 +245,8 @@ def _say(obj: dict) -> None:
 class Pair:
     """Receiver in namespace 1 (behind the proxy at RTT > 0), sender in namespace 0."""
 
-    def __init__(self, topo: Topology, kind: str, delay_ms: float):
-        self.topo, self.kind, self.delay_ms = topo, kind, delay_ms
+    def __init__(self, topo: Topology, kind: str, delay_ms: float, proxy_queue: int = 0):
+        self.topo, self.kind, self.delay_ms, self.proxy_queue = topo, kind, delay_ms, proxy_queue
         self.procs: dict[int, subprocess.Popen] = {}
 
     def _role(self, ns: int, group: int, *args: str) -> dict:
@@ -250,7 +264,7 @@ class Pair:
         behind = self.delay_ms > 0  # the receiver listens on its loopback, the proxy on its address
         host = "127.0.0.1" if behind else self.topo.addr(1)
         if behind:
-            self.procs[PROXY] = start_proxy(self.topo, 1, self.delay_ms)
+            self.procs[PROXY] = start_proxy(self.topo, 1, self.delay_ms, max_queue=self.proxy_queue)
         dial = f"/ip4/{self.topo.addr(1)}/tcp/{PORT}"
         if self.kind == "tcp":
             self._role(1, RECV, "tcp-recv", host, str(PORT))
@@ -307,6 +321,10 @@ def _cases(a, kind: str) -> list[tuple[int, str, int]]:
     return [(size, r, n) for size in _ints(a.sizes) for r in replies for n in streams]
 
 
+def _proxy_queue(spec: str, rate_bps: float, delay_ms: float) -> int:
+    return proxy_queue_bytes(rate_bps, delay_ms) if spec == "bdp" else int(spec)
+
+
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
@@ -327,6 +345,24 @@ def build_parser() -> argparse.ArgumentParser:
         "frame answers a FORWARD one, so both directions are busy at once (as in the harness)",
     )
     p.add_argument("--label", default="baseline", help="name of this configuration in the results")
+    p.add_argument(
+        "--tbf-latency-ms",
+        type=int,
+        default=Topology.latency_ms,
+        help="tbf latency (its queue: rate x this + burst; default: the harness's %(default)s ms)",
+    )
+    p.add_argument(
+        "--notsent-lowat",
+        type=int,
+        default=0,
+        help="net.ipv4.tcp_notsent_lowat in both namespaces (unsent bytes a socket may hold; "
+        "0: the kernel's)",
+    )
+    p.add_argument(
+        "--proxy-queue",
+        default="0",
+        help="the proxy's --max-queue: bytes, or 'bdp' for twice rate x one-way delay (0: unbounded)",
+    )
     p.add_argument("--out", default=str(RESULTS / "linkprobe.json"), help="append the results here")
     p.add_argument("--role", nargs="+", help=argparse.SUPPRESS)
     return p
@@ -369,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown --replies {bad}; choose ack and/or echo", file=sys.stderr)
         return 2
     command = "python -m bench.linkprobe " + " ".join(sys.argv[1:] if argv is None else argv)
-    topo = Topology(2, rate)
+    topo = Topology(2, rate, latency_ms=a.tbf_latency_ms, notsent_lowat=a.notsent_lowat)
     signal.signal(signal.SIGTERM, _interrupt)
     rows: list[dict] = []
     status = 0
@@ -379,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             for kind in kinds:
                 if kind == "tcp" and rtt not in _ints(a.tcp_rtts):
                     continue
-                pair = Pair(topo, kind, rtt / 2)
+                pair = Pair(topo, kind, rtt / 2, _proxy_queue(a.proxy_queue, rate, rtt / 2))
                 try:
                     pair.start()
                     for size, reply, streams in _cases(a, kind):
@@ -412,7 +448,14 @@ def main(argv: list[str] | None = None) -> int:
             old = json.loads(out.read_text())
         except (OSError, json.JSONDecodeError):
             old = []
-        meta = {"command": command, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rate_mbit": rate / 1e6}
+        meta = {
+            "command": command,
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "rate_mbit": rate / 1e6,
+            "tbf_latency_ms": a.tbf_latency_ms,
+            "notsent_lowat": a.notsent_lowat,
+            "proxy_queue": a.proxy_queue,
+        }
         out.write_text(json.dumps(old + [{**meta, **r} for r in rows], indent=1) + "\n")
         print(f"results appended to {out}")
     return status
