@@ -44,7 +44,9 @@ EXIT_UNSUPPORTED = 3
 DENSE_FRAME = 4096 * 2048 * 2  # one 4096-token microbatch at H = 2048 in bf16
 HANDLER = "vnode.linkprobe"
 ACK = b"ok"
-ECHO = 1  # a frame whose first byte is this is answered with a frame of its size (a BACKWARD reply)
+# flags in a frame's first byte: answer with a frame of its size (a BACKWARD reply); write that
+# reply while no other reply is being written (serial writes, see --serial)
+ECHO, SERIAL = 1, 2
 PING_EVERY_S = 0.25
 CASE_TIMEOUT_S = 300.0
 SEND, RECV, PROXY = 0, 1, 2  # process groups for the CPU accounting
@@ -142,14 +144,14 @@ async def _serve_cases(one_case, ping) -> None:
         _say(out)
 
 
-def _frame(size: int, echo: bool) -> bytes:
+def _frame(size: int, echo: bool, serial: bool = False) -> bytes:
     data = bytearray(size)
-    data[0] = ECHO if echo else 0
+    data[0] = (ECHO if echo else 0) | (SERIAL if serial else 0)
     return bytes(data)
 
 
 def _reply(msg: bytes) -> bytes:
-    return bytes(len(msg)) if msg[:1] == bytes([ECHO]) else ACK
+    return bytes(len(msg)) if msg and msg[0] & ECHO else ACK
 
 
 def _p2p_kwargs() -> dict:
@@ -173,10 +175,16 @@ async def _p2p_recv(host: str, port: int, announce: str) -> None:
         **_p2p_kwargs(),
     )
 
+    replying = asyncio.Lock()
+
     async def handle(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:  # as node/server.py reads a FORWARD frame: an inactivity deadline, not a total one
             msg = await wire.recv(reader, 1 << 31, CASE_TIMEOUT_S, idle=IDLE_S)
-            await wire.send(writer, _reply(msg), CASE_TIMEOUT_S)
+            if msg and msg[0] & SERIAL:
+                async with replying:
+                    await wire.send(writer, _reply(msg), CASE_TIMEOUT_S)
+            else:
+                await wire.send(writer, _reply(msg), CASE_TIMEOUT_S)
         except Exception as e:  # the sender's traceback only says the stream closed: say why here
             print(f"linkprobe receiver: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         finally:
@@ -202,16 +210,21 @@ async def _p2p_send(peer_maddr: str) -> None:
     p2p = await P2P.create(initial_peers=[peer_maddr], **_p2p_kwargs())
     peer = peer_maddr.rsplit("/p2p/", 1)[1]
 
-    async def call(data: bytes) -> None:
+    async def call(data: bytes, sending: asyncio.Lock | None = None) -> None:
         reader, writer = await open_stream(p2p, peer, HANDLER, CASE_TIMEOUT_S)
         try:
-            await wire.send(writer, data, CASE_TIMEOUT_S)
+            if sending is None:
+                await wire.send(writer, data, CASE_TIMEOUT_S)
+            else:  # one frame on the link at a time; the others wait their turn, then their reply
+                async with sending:
+                    await wire.send(writer, data, CASE_TIMEOUT_S)
             await wire.recv(reader, len(data) + 64, CASE_TIMEOUT_S)
         finally:
             close_quietly(writer)
 
-    async def one_case(size: int, frames: int, streams: int, echo: bool) -> dict:
-        data = _frame(size, echo)
+    async def one_case(size: int, frames: int, streams: int, echo: bool, serial: bool = False) -> dict:
+        data = _frame(size, echo, serial)
+        sending = asyncio.Lock() if serial else None
         todo = list(range(frames))
         per_frame: list[float] = []
 
@@ -219,7 +232,7 @@ async def _p2p_send(peer_maddr: str) -> None:
             while todo:
                 todo.pop()
                 t = time.perf_counter()
-                await call(data)
+                await call(data, sending)
                 per_frame.append(round(time.perf_counter() - t, 3))
 
         t0 = time.perf_counter()
@@ -273,12 +286,12 @@ class Pair:
             ready = self._role(1, RECV, "p2p-recv", host, str(PORT), dial if behind else "")
             self._role(0, SEND, "p2p-send", f"{dial}/p2p/{ready['peer_id']}")
 
-    def run_case(self, size: int, frames: int, streams: int, echo: bool) -> dict:
+    def run_case(self, size: int, frames: int, streams: int, echo: bool, serial: bool) -> dict:
         roots = {g: [p.pid] for g, p in self.procs.items()}
         c0, w0, t0 = self.topo.cpu_by_node(roots, by_comm=True), self.topo.counters(), time.monotonic()
         send = self.procs[SEND]
         case = {"size": size, "frames": frames, "echo": echo}
-        case |= {"streams": streams} if self.kind == "p2p" else {}
+        case |= {"streams": streams, "serial": serial} if self.kind == "p2p" else {}
         send.stdin.write(json.dumps(case) + "\n")
         send.stdin.flush()
         line = send.stdout.readline()
@@ -314,11 +327,13 @@ class Pair:
         self.procs.clear()
 
 
-def _cases(a, kind: str) -> list[tuple[int, str, int]]:
-    """(frame size, reply, streams) of one (RTT, kind); tcp runs one connection."""
+def _cases(a, kind: str) -> list[tuple[int, str, int, str]]:
+    """(frame size, reply, streams, writes) of one (RTT, kind); tcp runs one connection, whose
+    frames are serial already."""
     replies = [r.strip() for r in a.replies.split(",") if r.strip()]
     streams = _ints(a.streams) if kind == "p2p" else [1]
-    return [(size, r, n) for size in _ints(a.sizes) for r in replies for n in streams]
+    writes = [w.strip() for w in a.writes.split(",") if w.strip()] if kind == "p2p" else ["serial"]
+    return [(size, r, n, w) for size in _ints(a.sizes) for r in replies for n in streams for w in writes]
 
 
 def _proxy_queue(spec: str, rate_bps: float, delay_ms: float) -> int:
@@ -345,6 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
         "frame answers a FORWARD one, so both directions are busy at once (as in the harness)",
     )
     p.add_argument("--label", default="baseline", help="name of this configuration in the results")
+    p.add_argument(
+        "--writes",
+        default="concurrent",
+        help="p2p: concurrent (the in-flight frames share the link, as the node sends them) and/or "
+        "serial (one frame written at a time, each side; the rest wait their turn)",
+    )
     p.add_argument(
         "--tbf-latency-ms",
         type=int,
@@ -401,8 +422,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown --kinds {bad}; choose tcp and/or p2p", file=sys.stderr)
         return 2
     bad = [r for r in a.replies.split(",") if r.strip() not in ("ack", "echo")]
+    bad += [w for w in a.writes.split(",") if w.strip() not in ("concurrent", "serial")]
     if bad:
-        print(f"error: unknown --replies {bad}; choose ack and/or echo", file=sys.stderr)
+        print(f"error: unknown --replies/--writes {bad}; see --help", file=sys.stderr)
         return 2
     command = "python -m bench.linkprobe " + " ".join(sys.argv[1:] if argv is None else argv)
     topo = Topology(2, rate, latency_ms=a.tbf_latency_ms, notsent_lowat=a.notsent_lowat)
@@ -418,12 +440,12 @@ def main(argv: list[str] | None = None) -> int:
                 pair = Pair(topo, kind, rtt / 2, _proxy_queue(a.proxy_queue, rate, rtt / 2))
                 try:
                     pair.start()
-                    for size, reply, streams in _cases(a, kind):
+                    for size, reply, streams, writes in _cases(a, kind):
                         frames = max(4, round(a.bytes / size))
-                        r = pair.run_case(size, frames, streams, reply == "echo")
+                        r = pair.run_case(size, frames, streams, reply == "echo", writes == "serial")
                         row = {
                             "label": a.label, "kind": kind, "rtt_ms": rtt, "size": size,
-                            "frames": frames, "streams": streams, "reply": reply,
+                            "frames": frames, "streams": streams, "reply": reply, "writes": writes,
                             # each direction moves size x frames with echo replies
                             "mb_per_s": size * frames / r["seconds"] / 1e6,
                             "fill": size * frames / r["seconds"] / cap,
@@ -464,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
 def _line(r: dict) -> str:
     cpu = ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_cores"].items() if v >= 0.01)
     return (
-        f"{r['label']:<10} {r['kind']:<4} {r['reply']:<4} RTT {r['rtt_ms']:>3} ms  "
+        f"{r['label']:<10} {r['kind']:<4} {r['reply']:<4} {r['writes'][:3]} RTT {r['rtt_ms']:>3} ms  "
         f"{r['size'] / 1e6:>5.1f} MB x {r['frames']:<3} "
         f"{r['streams']} in flight: {r['mb_per_s']:5.2f} MB/s = {r['fill']:4.0%} of the cap "
         f"({r['seconds']:.1f} s; ping {r['ping_ms']['median']}/{r['ping_ms']['max']} ms; "
