@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -211,13 +212,16 @@ async def _p2p_send(peer_maddr: str) -> None:
     peer = peer_maddr.rsplit("/p2p/", 1)[1]
 
     async def call(data: bytes, sending: asyncio.Lock | None = None) -> None:
-        reader, writer = await open_stream(p2p, peer, HANDLER, CASE_TIMEOUT_S)
-        try:
-            if sending is None:
+        # serial: the stream opens once it is this frame's turn, since a receiver closes a
+        # stream that sent nothing for IDLE_S (node/wire.py), and the turn may take longer
+        async with sending or contextlib.nullcontext():
+            reader, writer = await open_stream(p2p, peer, HANDLER, CASE_TIMEOUT_S)
+            try:
                 await wire.send(writer, data, CASE_TIMEOUT_S)
-            else:  # one frame on the link at a time; the others wait their turn, then their reply
-                async with sending:
-                    await wire.send(writer, data, CASE_TIMEOUT_S)
+            except BaseException:
+                close_quietly(writer)
+                raise
+        try:
             await wire.recv(reader, len(data) + 64, CASE_TIMEOUT_S)
         finally:
             close_quietly(writer)
