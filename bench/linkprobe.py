@@ -45,9 +45,9 @@ EXIT_UNSUPPORTED = 3
 DENSE_FRAME = 4096 * 2048 * 2  # one 4096-token microbatch at H = 2048 in bf16
 HANDLER = "vnode.linkprobe"
 ACK = b"ok"
-# flags in a frame's first byte: answer with a frame of its size (a BACKWARD reply); write that
-# reply while no other reply is being written (serial writes, see --serial)
-ECHO, SERIAL = 1, 2
+# a frame's first byte: ECHO asks for a reply of its size (a BACKWARD reply); its second byte,
+# when not 0, is how many replies B may write at once (serial writes, see --writes)
+ECHO = 1
 PING_EVERY_S = 0.25
 CASE_TIMEOUT_S = 300.0
 SEND, RECV, PROXY = 0, 1, 2  # process groups for the CPU accounting
@@ -145,9 +145,10 @@ async def _serve_cases(one_case, ping) -> None:
         _say(out)
 
 
-def _frame(size: int, echo: bool, serial: bool = False) -> bytes:
+def _frame(size: int, echo: bool, serial: int = 0) -> bytes:
     data = bytearray(size)
-    data[0] = (ECHO if echo else 0) | (SERIAL if serial else 0)
+    data[0] = ECHO if echo else 0
+    data[1] = serial
     return bytes(data)
 
 
@@ -176,13 +177,13 @@ async def _p2p_recv(host: str, port: int, announce: str) -> None:
         **_p2p_kwargs(),
     )
 
-    replying = asyncio.Lock()
+    replying: dict[int, asyncio.Semaphore] = {}
 
     async def handle(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:  # as node/server.py reads a FORWARD frame: an inactivity deadline, not a total one
             msg = await wire.recv(reader, 1 << 31, CASE_TIMEOUT_S, idle=IDLE_S)
-            if msg and msg[0] & SERIAL:
-                async with replying:
+            if len(msg) > 1 and msg[1]:
+                async with replying.setdefault(msg[1], asyncio.Semaphore(msg[1])):
                     await wire.send(writer, _reply(msg), CASE_TIMEOUT_S)
             else:
                 await wire.send(writer, _reply(msg), CASE_TIMEOUT_S)
@@ -211,7 +212,7 @@ async def _p2p_send(peer_maddr: str) -> None:
     p2p = await P2P.create(initial_peers=[peer_maddr], **_p2p_kwargs())
     peer = peer_maddr.rsplit("/p2p/", 1)[1]
 
-    async def call(data: bytes, sending: asyncio.Lock | None = None) -> None:
+    async def call(data: bytes, sending: asyncio.Semaphore | None = None) -> None:
         # serial: the stream opens once it is this frame's turn, since a receiver closes a
         # stream that sent nothing for IDLE_S (node/wire.py), and the turn may take longer
         async with sending or contextlib.nullcontext():
@@ -226,9 +227,9 @@ async def _p2p_send(peer_maddr: str) -> None:
         finally:
             close_quietly(writer)
 
-    async def one_case(size: int, frames: int, streams: int, echo: bool, serial: bool = False) -> dict:
+    async def one_case(size: int, frames: int, streams: int, echo: bool, serial: int = 0) -> dict:
         data = _frame(size, echo, serial)
-        sending = asyncio.Lock() if serial else None
+        sending = asyncio.Semaphore(serial) if serial else None
         todo = list(range(frames))
         per_frame: list[float] = []
 
@@ -290,7 +291,7 @@ class Pair:
             ready = self._role(1, RECV, "p2p-recv", host, str(PORT), dial if behind else "")
             self._role(0, SEND, "p2p-send", f"{dial}/p2p/{ready['peer_id']}")
 
-    def run_case(self, size: int, frames: int, streams: int, echo: bool, serial: bool) -> dict:
+    def run_case(self, size: int, frames: int, streams: int, echo: bool, serial: int) -> dict:
         roots = {g: [p.pid] for g, p in self.procs.items()}
         c0, w0, t0 = self.topo.cpu_by_node(roots, by_comm=True), self.topo.counters(), time.monotonic()
         send = self.procs[SEND]
@@ -344,6 +345,16 @@ def _proxy_queue(spec: str, rate_bps: float, delay_ms: float) -> int:
     return proxy_queue_bytes(rate_bps, delay_ms) if spec == "bdp" else int(spec)
 
 
+def _serial(writes: str) -> int | None:
+    """'concurrent' -> 0, 'serial' -> 1, 'serialN' -> N (frames written at once), else None."""
+    if writes == "concurrent":
+        return 0
+    n = writes.removeprefix("serial")
+    if writes.startswith("serial") and (n == "" or (n.isdigit() and 0 < int(n) < 256)):
+        return int(n or 1)
+    return None
+
+
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
@@ -368,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--writes",
         default="concurrent",
         help="p2p: concurrent (the in-flight frames share the link, as the node sends them) and/or "
-        "serial (one frame written at a time, each side; the rest wait their turn)",
+        "serial (one frame written at a time, each side; the rest wait their turn), serialN (N at a time)",
     )
     p.add_argument(
         "--tbf-latency-ms",
@@ -426,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown --kinds {bad}; choose tcp and/or p2p", file=sys.stderr)
         return 2
     bad = [r for r in a.replies.split(",") if r.strip() not in ("ack", "echo")]
-    bad += [w for w in a.writes.split(",") if w.strip() not in ("concurrent", "serial")]
+    bad += [w for w in a.writes.split(",") if _serial(w.strip()) is None]
     if bad:
         print(f"error: unknown --replies/--writes {bad}; see --help", file=sys.stderr)
         return 2
@@ -446,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
                     pair.start()
                     for size, reply, streams, writes in _cases(a, kind):
                         frames = max(4, round(a.bytes / size))
-                        r = pair.run_case(size, frames, streams, reply == "echo", writes == "serial")
+                        r = pair.run_case(size, frames, streams, reply == "echo", _serial(writes))
                         row = {
                             "label": a.label, "kind": kind, "rtt_ms": rtt, "size": size,
                             "frames": frames, "streams": streams, "reply": reply, "writes": writes,
