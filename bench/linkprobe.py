@@ -400,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="the proxy's --max-queue: bytes, or 'bdp' for twice rate x one-way delay (0: unbounded)",
     )
     p.add_argument("--out", default=str(RESULTS / "linkprobe.json"), help="append the results here")
+    p.add_argument(
+        "--table", action="store_true", help="print --out's results as a markdown table, run nothing"
+    )
     p.add_argument("--role", nargs="+", help=argparse.SUPPRESS)
     return p
 
@@ -424,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.role:
         return _run_role(a.role)
+    if a.table:
+        print(markdown_table(json.loads(Path(a.out).read_text())))
+        return 0
     try:
         check_support()
     except NetnsUnavailable as e:
@@ -465,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
                             "mb_per_s": size * frames / r["seconds"] / 1e6,
                             "fill": size * frames / r["seconds"] / cap,
                             "wire_fill": (r["wire_bytes"] or 0) / r["seconds"] / cap,
+                            "loadavg_1m": round(os.getloadavg()[0], 1),
                             **r,
                         }  # fmt: skip
                         rows.append(row)
@@ -496,6 +503,25 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps(old + [{**meta, **r} for r in rows], indent=1) + "\n")
         print(f"results appended to {out}")
     return status
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """One line per case: goodput, fill of the cap, the small-message round trip, CPU by process."""
+    out = [
+        "| config | kind | reply | writes | RTT ms | frame MB | in flight | MB/s | % of cap | wire % "
+        "| ping median / max ms | CPU cores by process (>= 0.01) | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cpu = ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_cores"].items() if v >= 0.01)
+        ping = r.get("ping_ms") or {}
+        out.append(
+            f"| {r['label']} | {r['kind']} | {r.get('reply', 'ack')} | {r.get('writes', 'concurrent')} "
+            f"| {r['rtt_ms']} | {r['size'] / 1e6:.1f} | {r['streams']} | {r['mb_per_s']:.2f} "
+            f"| {r['fill']:.0%} | {r['wire_fill']:.0%} | {ping.get('median', '-')} / {ping.get('max', '-')} "
+            f"| {cpu} | {r.get('loadavg_1m', '-')} |"
+        )
+    return "\n".join(out)
 
 
 def _line(r: dict) -> str:
