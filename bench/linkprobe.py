@@ -401,7 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default=str(RESULTS / "linkprobe.json"), help="append the results here")
     p.add_argument(
-        "--table", action="store_true", help="print --out's results as a markdown table, run nothing"
+        "--table",
+        action="store_true",
+        help="print --out's results as a markdown table and draw them beside it (.png), run nothing",
     )
     p.add_argument("--role", nargs="+", help=argparse.SUPPRESS)
     return p
@@ -428,7 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.role:
         return _run_role(a.role)
     if a.table:
-        print(markdown_table(json.loads(Path(a.out).read_text())))
+        rows = json.loads(Path(a.out).read_text())
+        print(markdown_table(rows))
+        print(f"plot: {plot(rows, Path(a.out).with_suffix('.png'))}")
         return 0
     try:
         check_support()
@@ -522,6 +526,40 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {cpu} | {r.get('loadavg_1m', '-')} |"
         )
     return "\n".join(out)
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    """Bars: % of the cap per case with 16.8 MB frames, one group per (reply, RTT)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dense = [r for r in rows if r["size"] == DENSE_FRAME]
+    names = [
+        f"{r['kind']} {r.get('reply', 'ack')} RTT {r['rtt_ms']}\n{r['label']}, "
+        + ("1 conn" if r["kind"] == "tcp" else f"{r['streams']} in flight, {r.get('writes', 'concurrent')}")
+        for r in dense
+    ]
+    colour = {"tcp": "grey", "concurrent": "tab:red", "serial": "tab:blue", "serial2": "tab:green"}
+    fig, ax = plt.subplots(figsize=(8, 0.32 * len(dense) + 1.5))
+    ax.barh(
+        range(len(dense)),
+        [100 * r["fill"] for r in dense],
+        color=[
+            colour.get("tcp" if r["kind"] == "tcp" else r.get("writes", "concurrent"), "tab:purple")
+            for r in dense
+        ],
+    )
+    ax.set_yticks(range(len(dense)), names, fontsize=6)
+    ax.invert_yaxis()
+    ax.axvline(80, color="black", lw=0.8, ls="--")
+    ax.set_xlabel("goodput, % of the 80 Mbit/s cap (16.8 MB frames; echo: each direction)")
+    ax.set_title("bench/linkprobe.py: where a dense frame loses the link", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
 
 
 def _line(r: dict) -> str:
