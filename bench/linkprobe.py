@@ -451,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"error: unknown --replies/--writes {bad}; see --help", file=sys.stderr)
         return 2
+    if a.proxy_queue != "bdp" and not a.proxy_queue.isdigit():
+        print(f"error: --proxy-queue {a.proxy_queue!r}: give bytes (0: unbounded) or 'bdp'", file=sys.stderr)
+        return 2
     command = "python -m bench.linkprobe " + " ".join(sys.argv[1:] if argv is None else argv)
     topo = Topology(2, rate, latency_ms=a.tbf_latency_ms, notsent_lowat=a.notsent_lowat)
     signal.signal(signal.SIGTERM, _interrupt)
