@@ -1,7 +1,9 @@
 """Where does a dense frame lose the 80 Mbit/s link? Goodput of A -> B transfers (issue 16).
 
     python -m bench.linkprobe                       # the default grid, ~10 min, root needed
-    python -m bench.linkprobe --rtts 40 --sizes 16777216 --streams 1,4 --kinds p2p
+    python -m bench.linkprobe --rtts 40 --sizes 16777216 --streams 4 --kinds p2p \
+        --replies echo --writes concurrent,serial2
+    python -m bench.linkprobe --table               # bench/results/linkprobe.json as markdown + .png
 
 Two namespaces on the harness's bridge (bench/netns.py: tbf at --rate on both veth ends) and,
 at RTT > 0, the harness's delay proxy in front of B. A sends N frames of S bytes to B:
@@ -9,11 +11,16 @@ at RTT > 0, the harness's delay proxy in front of B. A sends N frames of S bytes
 * ``tcp``: one raw TCP connection, frames back to back (B acks each): the link's ceiling.
 * ``p2p``: hivemind P2P (its own p2pd) in each namespace, set up as the node's DHT sets up its
   own; one libp2p stream per frame, as node/hop.py sends a FORWARD frame (node.rpc.open_stream,
-  node.wire), B answers each with a short reply; ``--streams`` frames in flight at a time.
+  node.wire); ``--streams`` frames in flight at a time, written at once or in turns (--writes).
+* ``--replies echo``: B answers each frame with one of its size, as a BACKWARD frame answers a
+  FORWARD one, so both directions are busy (a pipeline stage's link); ``ack``: 2 bytes.
 
-The receiver and sender stay up for all cases of one (RTT, kind); between cases the probe reads
-each process's CPU seconds (bench.netns.Topology.cpu_by_node), so CPU binding shows beside the
-goodput. Results: --out (.json) and a markdown table on stdout.
+While a case runs, a 1-byte request on its own stream every 0.25 s measures what small messages
+(heartbeats, window updates) wait behind the bulk. The link knobs (--tbf-latency-ms,
+--notsent-lowat, --proxy-queue) try the harness-side fixes. The receiver and sender stay up for
+all cases of one (RTT, kind); between cases the probe reads each process's CPU seconds
+(bench.netns.Topology.cpu_by_node), so CPU binding shows beside the goodput. Results: appended
+to --out (.json), one line per case on stdout. Findings: bench/results/linkprobe.md.
 """
 
 from __future__ import annotations
