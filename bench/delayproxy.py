@@ -7,6 +7,12 @@ node passes it, and each chunk read in either direction is written on ``delay`` 
 it arrived. The reader never waits for the writer (a timestamped queue, not a sleep per read),
 so a link keeps its throughput and only gains latency: each connection crosses exactly one
 proxy (the accepting node's), so its round trip grows by twice the delay.
+
+``--max-queue BYTES`` bounds what one direction holds (read, not yet written). Unbounded, the
+node's replies leave it at loopback speed into the proxy, which then holds megabytes in front
+of the capped link: every small message behind them (a yamux window update, a heartbeat)
+waits seconds, where a real link's TCP would have pushed back on the sender. Bounded, the
+proxy stops reading once it holds that much, and the back-pressure reaches the node again.
 """
 
 from __future__ import annotations
@@ -20,17 +26,28 @@ import sys
 CHUNK = 1 << 16
 
 
-async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
-    """Copy ``reader`` to ``writer``, each chunk ``delay`` seconds after it was read; EOF passes too."""
+async def pump(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float, max_queue: int = 0
+) -> None:
+    """Copy ``reader`` to ``writer``, each chunk ``delay`` seconds after it was read; EOF passes too.
+    With ``max_queue`` > 0, reading pauses while that many bytes wait to be written."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+    held = 0
+    room = asyncio.Event()
+    room.set()
 
     async def read() -> None:
+        nonlocal held
         while True:
+            await room.wait()
             try:
                 data = await reader.read(CHUNK)
             except (ConnectionError, OSError):
                 data = b""
+            held += len(data)
+            if max_queue and held >= max_queue:
+                room.clear()
             queue.put_nowait((loop.time() + delay, data))
             if not data:
                 return
@@ -48,6 +65,9 @@ async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay
                 return
             writer.write(data)
             await writer.drain()
+            held -= len(data)
+            if held < max_queue:
+                room.set()
     except (ConnectionError, OSError):
         pass
     finally:
@@ -55,7 +75,12 @@ async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay
 
 
 async def _serve_one(
-    r_in: asyncio.StreamReader, w_in: asyncio.StreamWriter, host: str, port: int, delay: float
+    r_in: asyncio.StreamReader,
+    w_in: asyncio.StreamWriter,
+    host: str,
+    port: int,
+    delay: float,
+    max_queue: int,
 ) -> None:
     try:
         r_out, w_out = await asyncio.open_connection(host, port)
@@ -63,15 +88,20 @@ async def _serve_one(
         w_in.close()
         return
     try:
-        await asyncio.gather(pump(r_in, w_out, delay), pump(r_out, w_in, delay))
+        await asyncio.gather(pump(r_in, w_out, delay, max_queue), pump(r_out, w_in, delay, max_queue))
     finally:
         for w in (w_in, w_out):
             w.close()
 
 
-async def serve(listen: tuple[str, int], to: tuple[str, int], delay: float, ready=None) -> None:
+async def serve(
+    listen: tuple[str, int], to: tuple[str, int], delay: float, ready=None, max_queue: int = 0
+) -> None:
     server = await asyncio.start_server(
-        lambda r, w: _serve_one(r, w, to[0], to[1], delay), listen[0], listen[1], reuse_address=True
+        lambda r, w: _serve_one(r, w, to[0], to[1], delay, max_queue),
+        listen[0],
+        listen[1],
+        reuse_address=True,
     )
     if ready is not None:
         ready()
@@ -95,12 +125,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--listen", type=_addr, required=True, help="HOST:PORT peers connect to")
     p.add_argument("--to", type=_addr, required=True, help="HOST:PORT of the node behind the proxy")
     p.add_argument("--delay-ms", type=float, required=True, help="one-way delay added to each direction")
+    p.add_argument(
+        "--max-queue", type=int, default=0, help="bytes one direction may hold unwritten (0: unbounded)"
+    )
     a = p.parse_args(argv)
-    if a.delay_ms < 0:
-        print("error: --delay-ms must be >= 0", file=sys.stderr)
+    if a.delay_ms < 0 or a.max_queue < 0:
+        print("error: --delay-ms and --max-queue must be >= 0", file=sys.stderr)
         return 2
+
+    def ready() -> None:
+        print("ready", flush=True)
+
     try:
-        asyncio.run(serve(a.listen, a.to, a.delay_ms / 1000.0, ready=lambda: print("ready", flush=True)))
+        asyncio.run(serve(a.listen, a.to, a.delay_ms / 1000.0, ready=ready, max_queue=a.max_queue))
     except OSError as e:
         print(f"bench.delayproxy: cannot listen on {a.listen[0]}:{a.listen[1]}: {e}", file=sys.stderr)
         return 1

@@ -167,6 +167,34 @@ def _tail(path: Path, n: int = 6) -> str:
         return ""
 
 
+def proxy_queue_bytes(rate_bps: float, delay_ms: float) -> int:
+    """Twice what the link carries in one delay (its one-way bandwidth-delay product), >= 64 KiB:
+    room for the proxy to keep the link full, not a place for seconds of traffic to wait."""
+    return max(64 * 1024, int(2 * rate_bps / 8 * delay_ms / 1000))
+
+
+def start_proxy(
+    topo: Topology, i: int, delay_ms: float, port: int = PORT, max_queue: int = 0
+) -> subprocess.Popen:
+    """The delay proxy in front of node i: peers connect to it (ns address), it connects to the
+    node on the namespace's loopback, same port; ``max_queue``: bytes a direction may hold
+    (0: unbounded). Returns once it listens."""
+    addr = topo.addr(i)
+    cmd = topo.exec_prefix(i) + [
+        sys.executable, "-m", "bench.delayproxy", "--listen", f"{addr}:{port}",
+        "--to", f"127.0.0.1:{port}", "--delay-ms", f"{delay_ms:g}", "--max-queue", str(max_queue),
+    ]  # fmt: skip
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True
+    )
+    line = p.stdout.readline().strip()  # "ready" once it listens
+    if line != "ready":
+        if p.poll() is None:
+            p.kill()
+        raise HarnessError(f"the delay proxy of node {i} did not start: {line or p.wait()}")
+    return p
+
+
 class Swarm:
     """The node processes of one run, inside an existing topology."""
 
@@ -183,19 +211,7 @@ class Swarm:
         return self.rundir / "nodes" / str(i)
 
     def _proxy(self, i: int) -> None:
-        """The delay proxy in front of node i: peers connect to it, it connects to the node."""
-        addr = self.topo.addr(i)
-        cmd = self.topo.exec_prefix(i) + [
-            sys.executable, "-m", "bench.delayproxy", "--listen", f"{addr}:{PORT}",
-            "--to", f"127.0.0.1:{PORT}", "--delay-ms", f"{self.a.delay_ms:g}",
-        ]  # fmt: skip
-        p = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True
-        )
-        self.proxies[i] = p
-        line = p.stdout.readline().strip()  # "ready" once it listens
-        if line != "ready":
-            raise HarnessError(f"the delay proxy of node {i} did not start: {line or p.wait()}")
+        self.proxies[i] = start_proxy(self.topo, i, self.a.delay_ms)
 
     def _spawn(self, i: int, stage: int, circuit: str, peers: list[str]) -> None:
         d = self.nodedir(i)

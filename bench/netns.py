@@ -104,6 +104,9 @@ class Topology:
     n: int
     rate_bps: float
     latency_ms: int = 50
+    # net.ipv4.tcp_notsent_lowat in every node namespace (0: the kernel's, unlimited): how many
+    # bytes a socket may hold not yet sent, in front of everything written after them
+    notsent_lowat: int = 0
     tag: str = field(default_factory=lambda: str(os.getpid() % 100000))
     net: int = field(default_factory=lambda: 100 + os.getpid() % 100)
     created: list[str] = field(default_factory=list)
@@ -136,6 +139,11 @@ class Topology:
             _run(["ip", "netns", "add", ns])
             self.created.append(ns)
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])  # the namespace's own loopback
+            if self.notsent_lowat:
+                _run(
+                    self.exec_prefix(i)
+                    + ["sysctl", "-qw", f"net.ipv4.tcp_notsent_lowat={self.notsent_lowat}"]
+                )
             # both ends are born inside our namespaces: nothing appears in the root namespace
             _run(
                 [

@@ -83,13 +83,16 @@ class HopClient:
     async def call_peer(self, peer: str, data: bytes, boundary: int) -> Frame:
         ctx = self.ctx
         timeout = self.deadline(boundary)
-        try:
-            reader, writer = await open_stream(ctx.p2p, peer, HANDLER, ctx.cfg.hop_timeout)
-        except PeerUnreachable as e:
-            raise HopFailed(str(e)) from None
+        opened: list[asyncio.StreamWriter] = []
 
         async def exchange() -> bytes:
-            await ctx.wire.send(writer, data, timeout)
+            async with ctx.wire.bulk:  # the stream opens on our turn to write (node/wire.py)
+                try:
+                    reader, writer = await open_stream(ctx.p2p, peer, HANDLER, ctx.cfg.hop_timeout)
+                except PeerUnreachable as e:
+                    raise HopFailed(str(e)) from None
+                opened.append(writer)
+                await ctx.wire.send(writer, data, timeout)
             return await ctx.wire.recv(reader, MAX_FRAME_BYTES, timeout)
 
         # A cut link resets nothing: the hop would hang until its deadline (minutes for a long
@@ -107,7 +110,8 @@ class HopClient:
         finally:
             left.cancel()
             io.cancel()
-            close_quietly(writer)
+            for writer in opened:
+                close_quietly(writer)
         try:
             frame = await ctx.compute(self.parse, reply)
         except FrameError as e:

@@ -162,7 +162,11 @@ class ForwardServer:
                 reply = _error(ctx.run.run_id, "internal", f"{type(e).__name__}: {e}")
             if not served:  # error frames carry no tensors: cheap to encode here
                 out = encode_frame(reply)
-            sent = await ctx.wire.send(writer, out, ctx.cfg.hop_timeout, sealed=sealed)
+            if served:  # a BACKWARD frame takes its turn on the uplink (node/wire.py BULK_SLOTS)
+                async with ctx.wire.bulk:
+                    sent = await ctx.wire.send(writer, out, ctx.cfg.hop_timeout, sealed=sealed)
+            else:  # an error frame is small: it never waits behind the pipeline's frames
+                sent = await ctx.wire.send(writer, out, ctx.cfg.hop_timeout, sealed=sealed)
             if served:
                 ctx.metrics.replies_sent.append((time.monotonic(), reply.microbatch))
                 ctx.metrics.count_frame(ctx.index - 1, "backward", sent, int(reply.meta.get("mb_tokens", 0)))

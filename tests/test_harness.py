@@ -156,6 +156,28 @@ def test_ceilings_topology():
     assert abs(c["compute_ceiling_tokens_per_s"] - 2 / (6 * 5.6e-6)) < 1
 
 
+def test_topology_sets_notsent_lowat_in_its_namespaces_only():
+    """bench.linkprobe --notsent-lowat: the sysctl holds inside each node namespace, not the host's."""
+    import os
+
+    from bench.netns import Topology, _run
+
+    reason = _support_reason()
+    if reason:
+        pytest.skip(f"needs root and network namespaces: {reason}")
+    host = open("/proc/sys/net/ipv4/tcp_notsent_lowat").read().strip()
+    topo = Topology(2, 80e6, tag=f"{os.getpid() % 100000}l", notsent_lowat=131072)
+    try:
+        topo.build()
+        for i in range(2):
+            got = _run(topo.exec_prefix(i) + ["sysctl", "-n", "net.ipv4.tcp_notsent_lowat"]).stdout.strip()
+            assert got == "131072", (i, got)
+    finally:
+        topo.teardown()
+    assert open("/proc/sys/net/ipv4/tcp_notsent_lowat").read().strip() == host
+    assert not [n for n in leftover_namespaces() if n.startswith(topo.bridge_ns[:-3])]
+
+
 def test_harness_refuses_in_one_line_without_support(monkeypatch, capsys):
     import bench.harness as h
 
