@@ -168,9 +168,7 @@ def _wire_tensor(t: torch.Tensor) -> dict:
     return {"d": name, "s": list(t.shape), "b": raw.contiguous().numpy().tobytes()}
 
 
-def valid_body(
-    rng: random.Random, batch: int | None = None, seq: int | None = None, codec=None
-) -> dict:
+def valid_body(rng: random.Random, batch: int | None = None, seq: int | None = None, codec=None) -> dict:
     """A forward frame body the tail accepts: activations through ``codec`` (bf16 dense when None),
     int16 packed labels."""
     from compression.codec import LinkContext

@@ -286,6 +286,7 @@ class Metered(LinkCodec):
 class Pipeline:
     """Four stages sharing the model's modules (so the tied embedding/lm_head stays tied, as
     in the whole model), plus a body-only copy of the tail for last-position generation."""
+
     # One shared tied tensor trained on the sum of its embedding and lm_head gradients is what the
     # swarm reproduces across processes (node.tied: the head and the tail add each other's gradient
     # every step, run record ``tied: true``). The clip differs: global here; per stage in the swarm,

@@ -51,13 +51,13 @@ from protocol.records import STAGE_RECORD_BEATS, StageRecord
 log = logging.getLogger("node")
 
 
-
 JOIN_REREADS = 3  # extra reads of a stage that looks empty in a run that has trained (_join_from_peers)
 
 
 def _run_has_trained(routes: list[dict[str, StageRecord]]) -> bool:
     """Some live peer of any stage has taken an inner step."""
     return any(r.inner_step > 0 for stage in routes for r in stage.values())
+
 
 class Lifecycle:
     # the parts, composed by StageRuntime

@@ -76,4 +76,3 @@ def test_malformed_nested_settings_are_one_line_record_errors(record):
     with pytest.raises(RecordError) as e:
         RunRecord.from_dict(record)
     assert "\n" not in str(e.value)
-
