@@ -86,7 +86,7 @@ class HopClient:
         opened: list[asyncio.StreamWriter] = []
 
         async def exchange() -> bytes:
-            async with ctx.wire.bulk:  # the stream opens on our turn to write (node/wire.py)
+            async with ctx.wire.bulk(peer):  # the stream opens on our turn to write (node/wire.py)
                 try:
                     reader, writer = await open_stream(ctx.p2p, peer, HANDLER, ctx.cfg.hop_timeout)
                 except PeerUnreachable as e:

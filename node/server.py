@@ -163,7 +163,7 @@ class ForwardServer:
             if not served:  # error frames carry no tensors: cheap to encode here
                 out = encode_frame(reply)
             if served:  # a BACKWARD frame takes its turn on the uplink (node/wire.py BULK_SLOTS)
-                async with ctx.wire.bulk:
+                async with ctx.wire.bulk(peer):
                     sent = await ctx.wire.send(writer, out, ctx.cfg.hop_timeout, sealed=sealed)
             else:  # an error frame is small: it never waits behind the pipeline's frames
                 sent = await ctx.wire.send(writer, out, ctx.cfg.hop_timeout, sealed=sealed)

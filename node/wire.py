@@ -28,12 +28,14 @@ _CHUNK = 1 << 20
 # pending connections the handler socket queues: p2pd opens one per incoming stream, and
 # hivemind listens with asyncio's default of 100, so a burst of streams past it was reset
 ACCEPT_BACKLOG = 4096
-# pipeline frames (FORWARD out, BACKWARD replies) one node writes at once, whatever their peer;
-# the rest wait their turn. Written all at once, the frames in flight share the uplink, finish
-# together, and a pipeline's forwards and backwards then take turns on the link instead of
-# overlapping (bench/results/linkprobe.md: 16.8 MB frames, 4 in flight, both directions busy:
-# RTT 40 ms 52% -> 63% of 80 Mbit/s with 2 at once; RTT 0 48% -> 80% with 1). Two, not one:
-# one stream alone is held to its libp2p flow-control window per round trip.
+# pipeline frames (FORWARD out, BACKWARD replies) one node writes at once to one peer (one
+# libp2p connection); the rest to that peer wait their turn. Written all at once, the frames in
+# flight share the connection, finish together, and a pipeline's forwards and backwards then
+# take turns on the link instead of overlapping (bench/results/linkprobe.md: 16.8 MB frames,
+# 4 in flight, both directions busy: RTT 40 ms 52% -> 63% of 80 Mbit/s with 2 at once; RTT 0
+# 48% -> 80% with 1). Two, not one: one stream alone is held to its libp2p flow-control window
+# per round trip. Per peer, not per node: a peer that stalls (its link cut, its receive window
+# shut) must not hold up the frames to the others.
 BULK_SLOTS = 2
 
 
@@ -46,9 +48,12 @@ class Wire:
         self.key = key
         self.replay = ReplayGuard() if key else None
         self.bans = BanList()
-        # a turn to write a pipeline frame (BULK_SLOTS); a sender opens its stream on its turn,
-        # since a handler closes a stream that sent nothing for IDLE_S
-        self.bulk = asyncio.Semaphore(BULK_SLOTS)
+        self._bulk: dict[str, asyncio.Semaphore] = {}
+
+    def bulk(self, peer: str) -> asyncio.Semaphore:
+        """The turns to write a pipeline frame to ``peer`` (BULK_SLOTS). A sender opens its stream
+        on its turn, since a handler closes a stream that sent nothing for IDLE_S."""
+        return self._bulk.setdefault(peer, asyncio.Semaphore(BULK_SLOTS))
 
     @property
     def overhead(self) -> int:

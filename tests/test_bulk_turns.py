@@ -38,8 +38,8 @@ def test_backward_replies_wait_for_a_turn_error_replies_do_not():
     frame = prefixed(pack(valid_body(random.Random(2))))
 
     async def main():
-        for _ in range(BULK_SLOTS):  # every turn is taken (frames of other peers, say)
-            await rt.wire.bulk.acquire()
+        for _ in range(BULK_SLOTS):  # every turn to this peer is taken (other frames to it)
+            await rt.wire.bulk("QmUpstream").acquire()
         served = FakeWriter()
         task = asyncio.ensure_future(rt.handle_stream(info, _reader(frame), served))
         # serving a tiny:2 frame takes milliseconds; its reply must still be waiting after 3 s
@@ -49,11 +49,18 @@ def test_backward_replies_wait_for_a_turn_error_replies_do_not():
         refused = FakeWriter()
         await asyncio.wait_for(rt.handle_stream(info, _reader(prefixed(b"not a frame")), refused), 10)
         assert _kind(refused) == "error"
-        rt.wire.bulk.release()  # one turn frees up: the waiting reply goes out
+        # a reply to another peer does not wait behind this one's turns (a stalled peer holds
+        # only its own)
+        other = FakeWriter()
+        await asyncio.wait_for(
+            rt.handle_stream(types.SimpleNamespace(peer_id="QmOther"), _reader(frame), other), 10
+        )
+        assert _kind(other) == "backward"
+        rt.wire.bulk("QmUpstream").release()  # one turn frees up: the waiting reply goes out
         await asyncio.wait_for(task, 10)
         assert _kind(served) == "backward"
         for _ in range(BULK_SLOTS - 1):
-            rt.wire.bulk.release()
+            rt.wire.bulk("QmUpstream").release()
 
     loop = asyncio.new_event_loop()
     try:
@@ -90,12 +97,12 @@ def test_a_hop_opens_its_stream_on_its_turn():
             )
             hops = HopClient(head, lambda data: decode_frame(data, run_id=RUN_ID, check_finite=False))
             for _ in range(BULK_SLOTS):
-                await head.wire.bulk.acquire()
+                await head.wire.bulk(srv.peer_id.to_base58()).acquire()
             task = asyncio.ensure_future(hops.call_peer(srv.peer_id.to_base58(), frame, 0))
             done, _ = await asyncio.wait({task}, timeout=3.0)
             # no stream yet: one opened now would sit idle and be closed at the handler's IDLE_S
             assert not done and not opened
-            head.wire.bulk.release()
+            head.wire.bulk(srv.peer_id.to_base58()).release()
             reply = await asyncio.wait_for(task, 30)
             assert reply.kind == "backward" and len(opened) == 1
         finally:
