@@ -32,6 +32,16 @@ def _kind(w: FakeWriter) -> str | None:
     return None if data is None else decode_frame(data, run_id=RUN_ID, check_finite=False).kind
 
 
+def _run(rt, coro) -> None:
+    """Run ``coro`` on a fresh event loop, then stop the runtime's compute thread."""
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(coro)
+    finally:
+        loop.close()
+        rt.pool.shutdown(wait=True)
+
+
 def test_backward_replies_wait_for_a_turn_error_replies_do_not():
     rt = make_runtime(hop_timeout=5.0)
     info = types.SimpleNamespace(peer_id="QmUpstream")
@@ -62,12 +72,7 @@ def test_backward_replies_wait_for_a_turn_error_replies_do_not():
         for _ in range(BULK_SLOTS - 1):
             rt.wire.bulk("QmUpstream").release()
 
-    loop = asyncio.new_event_loop()
-    try:
-        loop.run_until_complete(main())
-    finally:
-        loop.close()
-        rt.pool.shutdown(wait=True)
+    _run(rt, main())
 
 
 def test_a_hop_opens_its_stream_on_its_turn():
@@ -109,9 +114,4 @@ def test_a_hop_opens_its_stream_on_its_turn():
             await cli.shutdown()
             await srv.shutdown()
 
-    loop = asyncio.new_event_loop()
-    try:
-        loop.run_until_complete(main())
-    finally:
-        loop.close()
-        rt.pool.shutdown(wait=True)
+    _run(rt, main())

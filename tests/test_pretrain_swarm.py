@@ -1,7 +1,5 @@
 """`--mode pretrain --codec subspace` in a real multi-process swarm, and the run flags' one-line errors."""
 
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -9,10 +7,6 @@ import torch
 from tests.conftest import run_swarm
 
 K, H = 16, 128
-
-
-def _node(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "node", *args], capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize(
