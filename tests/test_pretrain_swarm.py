@@ -1,6 +1,5 @@
 """`--mode pretrain --codec subspace` in a real multi-process swarm, and the run flags' one-line errors."""
 
-
 import pytest
 import torch
 
