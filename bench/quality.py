@@ -50,7 +50,7 @@ from compression.pca import PcaCodec, fit_basis, fit_joint_basis
 from compression.prf import mask_seed
 from compression.registry import make_codec
 from compression.spectral import SpectralFilter, filter_gradients, is_target_matrix
-from node.data import Example, arithmetic_example, collate, ordering_example, tokenize
+from node.data import Example, arithmetic_example, collate, frame_full, ordering_example, tokenize
 from node.model import load_model
 from node.stages import IGNORE_INDEX, Stage, build_stage
 
@@ -633,8 +633,8 @@ def step_frames(stream, tok, steps: int, frame_tokens: int) -> list[list[Example
     for _ in range(steps):
         frame, longest = [], 0
         while True:
-            n = min(len(tokenize(tok, pending, SEQ_LEN)[0]), SEQ_LEN)
-            if frame and (len(frame) + 1) * max(longest, n) > frame_tokens:
+            n = len(tokenize(tok, pending, SEQ_LEN)[0])
+            if frame_full(len(frame), longest, n, frame_tokens):
                 break
             frame.append(pending)
             longest = max(longest, n)

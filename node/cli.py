@@ -37,6 +37,11 @@ def check_run_flags(a: argparse.Namespace) -> None:
         raise FlagError("--dp scape syncs every inner step; it does not combine with --outer-every")
     if a.dp_timeout <= 0:
         raise FlagError("--dp-timeout must be > 0")
+    if a.microbatch_tokens and not a.seq_len <= a.microbatch_tokens <= 2**20:
+        raise FlagError(
+            f"--microbatch-tokens {a.microbatch_tokens} must be 0 or at least --seq-len ({a.seq_len}): "
+            "every microbatch holds at least one whole example"
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:

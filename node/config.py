@@ -287,6 +287,13 @@ class NodeConfig:
     clip: float = run_opt("clip", help="gradient-norm clip (default: %(default)s)", group=RUN)
     seq_len: int = run_opt("seq_len", help="max tokens per sequence (default: %(default)s)", group=RUN)
     microbatch: int = run_opt("microbatch", help="sequences per microbatch (default: %(default)s)", group=RUN)
+    microbatch_tokens: int = run_opt(
+        "microbatch_tokens",
+        help="pack each microbatch by tokens: as many examples as fit in this many padded tokens, so "
+        "short examples still fill a frame and a per-frame cost (the lowrank basis) is spread over "
+        "them; 0 = --microbatch examples each (default: %(default)s)",
+        group=RUN,
+    )
     batch_tokens: int = run_opt(
         "batch_tokens",
         help="tokens a node accumulates before each inner optimizer step (default: %(default)s)",

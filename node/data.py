@@ -179,15 +179,38 @@ def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torc
     return ids, labels
 
 
+def frame_full(rows: int, longest: int, next_len: int, max_tokens: int) -> bool:
+    """Whether a microbatch of ``rows`` examples (the longest ``longest`` tokens) is full: the next
+    example (``next_len`` tokens) would take it past ``max_tokens`` padded tokens. A microbatch
+    always takes its first example, so an empty one is never full."""
+    return rows > 0 and (rows + 1) * max(longest, next_len) > max_tokens
+
+
 def microbatches(
-    examples: list[Example], tok, batch: int, seq_len: int, seed: int
+    examples: list[Example], tok, batch: int, seq_len: int, seed: int, max_tokens: int = 0
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless shuffled stream of (input_ids, labels) microbatches."""
+    """Endless shuffled stream of (input_ids, labels) microbatches: ``batch`` examples each, or with
+    ``max_tokens`` as many as fit in that many padded tokens (rows x the longest row; at least one)."""
     rng = random.Random(seed)
     pad = tok.eos_token_id if tok.eos_token_id is not None else 0
     order: list[int] = []
+    pending: tuple[list[int], list[int]] | None = None
     while True:
-        if len(order) < batch:
-            order += rng.sample(range(len(examples)), len(examples))
-        take, order = order[:batch], order[batch:]
-        yield collate([tokenize(tok, examples[i], seq_len) for i in take], pad)
+        if not max_tokens:
+            if len(order) < batch:
+                order += rng.sample(range(len(examples)), len(examples))
+            take, order = order[:batch], order[batch:]
+            yield collate([tokenize(tok, examples[i], seq_len) for i in take], pad)
+            continue
+        rows: list[tuple[list[int], list[int]]] = []
+        longest = 0
+        while True:
+            if pending is None:
+                if not order:
+                    order = rng.sample(range(len(examples)), len(examples))
+                pending = tokenize(tok, examples[order.pop(0)], seq_len)
+            if frame_full(len(rows), longest, len(pending[0]), max_tokens):
+                break  # the next example waits for the next microbatch: none is dropped
+            rows.append(pending)
+            longest, pending = max(longest, len(pending[0])), None
+        yield collate(rows, pad)

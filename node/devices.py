@@ -32,17 +32,16 @@ def stage_memory_bytes(
     n_layers: int,
     hidden: int,
     vocab: int | None,
-    microbatch: int,
-    seq_len: int,
+    frame_tokens: int,
     max_inflight: int,
     device: torch.device,
 ) -> dict[str, int]:
     """A stage's memory: weights + grads + AdamW's two moments, all in the weights' dtype (fp32, as
-    ``node.model.weight_dtype`` loads them: 16 B/param), and the
-    activations autograd keeps per in-flight microbatch (~34·h bytes per token per layer in 16-bit,
-    doubled in fp32; Korthikanti et al. 2022), plus the tail's logits."""
+    ``node.model.weight_dtype`` loads them: 16 B/param), and the activations autograd keeps per
+    in-flight microbatch of ``frame_tokens`` padded tokens (~34·h bytes per token per layer in
+    16-bit, doubled in fp32; Korthikanti et al. 2022), plus the tail's logits."""
     act_bytes = 2 if device.type == "cuda" else 4
-    tokens = microbatch * seq_len * max_inflight
+    tokens = frame_tokens * max_inflight
     activations = n_layers * tokens * 34 * hidden * act_bytes // 2
     if vocab:
         activations += tokens * vocab * 4 * 2  # fp32 logits and their gradient

@@ -88,7 +88,9 @@ def calibrate_bases(cfg: NodeConfig, run: RunRecord, source: ModelSource, tok, s
     model, loaded one stage at a time (fp32 on the CPU, as the whole model was)."""
     tok = tok or ByteTokenizer(source.config.vocab_size)
     examples = load_examples(cfg.data, seed=run.seed)
-    batches = microbatches(examples, tok, run.microbatch, run.seq_len, seed=run.seed)
+    batches = microbatches(
+        examples, tok, run.microbatch, run.seq_len, seed=run.seed, max_tokens=run.microbatch_tokens
+    )
     t0 = time.monotonic()
     log.info("calibrating the link bases of %d boundaries (once per run)...", len(run.stages) - 1)
 
@@ -130,8 +132,7 @@ def stage_memory(cfg: NodeConfig, run: RunRecord, model, device) -> list[dict[st
                 end - start,
                 run.hidden,
                 model.config.vocab_size if is_tail else None,
-                run.microbatch,
-                run.seq_len,
+                run.max_frame_tokens,
                 cfg.max_inflight,
                 device,
             )
@@ -302,7 +303,9 @@ def run_join(cfg: NodeConfig) -> int:
                 if run.mode == "pretrain":  # next-token loss on every position
                     examples = as_plain_text(examples)
                 seed = zlib.crc32(peer_id.encode())
-                data = microbatches(examples, tok, run.microbatch, run.seq_len, seed=seed)
+                data = microbatches(
+                    examples, tok, run.microbatch, run.seq_len, seed=seed, max_tokens=run.microbatch_tokens
+                )
             outer = None
             if run.outer.every > 0 and cfg.circuit == "fast":
                 o = run.outer

@@ -71,7 +71,7 @@ class LinkIO:
         labels = frame.tensors.get("labels")
         if labels is None or list(labels.shape) != frame.shape[:2]:
             raise ShapeMismatch("labels missing or not (batch, tokens)")
-        if not (1 <= frame.shape[0] <= self.run.microbatch and 1 <= frame.shape[1] <= self.run.seq_len):
+        if not self.run.frame_fits(frame.shape[0], frame.shape[1]):
             raise ShapeMismatch(f"microbatch {frame.shape[:2]} is empty or exceeds the run's limits")
         for name, want in codec.payload_dtypes().items():
             t = frame.tensors.get(name)

@@ -72,6 +72,10 @@ class RunRecord:
     clip: float = 1.0
     seq_len: int = 64
     microbatch: int = 8
+    # > 0: a microbatch holds as many examples as fit in this many padded tokens (``microbatch``
+    # no longer caps it), so a link's per-frame costs (a lowrank basis, the header) are spread over
+    # about this many tokens whatever the examples' length; 0: exactly ``microbatch`` examples
+    microbatch_tokens: int = 0
     batch_tokens: int = 192  # tokens a node accumulates before its inner optimizer step
     protocol: int = PROTOCOL_VERSION
     key_id: str = ""  # fingerprint of the swarm key frames must be signed with ("" = open swarm)
@@ -117,6 +121,7 @@ class RunRecord:
                 "clip": (int, float),
                 "seq_len": int,
                 "microbatch": int,
+                "microbatch_tokens": int,
                 "batch_tokens": int,
                 "protocol": int,
                 "key_id": str,
@@ -153,7 +158,22 @@ class RunRecord:
             raise RecordError(f"run record stage ranges {rec.stages} do not cover {rec.num_layers} layers")
         if not (0 < rec.seq_len <= 65536 and 0 < rec.microbatch <= 4096 and rec.batch_tokens > 0):
             raise RecordError("run record batch settings out of range")
+        if rec.microbatch_tokens and not rec.seq_len <= rec.microbatch_tokens <= 2**20:
+            raise RecordError("run record microbatch_tokens must be 0 or between seq_len and 2**20")
         return rec
+
+    def frame_fits(self, rows: int, tokens: int) -> bool:
+        """Whether a (rows, tokens) microbatch is within this run's limits."""
+        if not (rows >= 1 and 1 <= tokens <= self.seq_len):
+            return False
+        if self.microbatch_tokens:
+            return rows * tokens <= self.microbatch_tokens
+        return rows <= self.microbatch
+
+    @property
+    def max_frame_tokens(self) -> int:
+        """The most padded tokens one microbatch may hold (memory estimates size by it)."""
+        return self.microbatch_tokens or self.microbatch * self.seq_len
 
 
 @dataclass

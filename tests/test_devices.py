@@ -23,15 +23,14 @@ def test_memory_estimate_formula():
         n_layers=2,
         hidden=64,
         vocab=None,
-        microbatch=2,
-        seq_len=8,
+        frame_tokens=16,
         max_inflight=1,
         device=torch.device("cpu"),
     )
     assert m["states"] == 16_000
     assert m["activations"] == 2 * 16 * 34 * 64 * 4 // 2
     assert m["total"] == m["states"] + m["activations"]
-    tail = stage_memory_bytes(1000, 2, 64, 100, 2, 8, 1, torch.device("cpu"))
+    tail = stage_memory_bytes(1000, 2, 64, 100, 16, 1, torch.device("cpu"))
     assert tail["activations"] - m["activations"] == 16 * 100 * 8
 
 
@@ -55,5 +54,5 @@ def test_state_estimate_is_what_adamw_allocates(device, dtype):
     opt.step()
     moments = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
     used = sum(t.numel() * t.element_size() for t in [lin.weight, lin.weight.grad, *moments])
-    est = stage_memory_bytes(lin.weight.numel(), 1, 64, None, 1, 1, 1, torch.device(device))
+    est = stage_memory_bytes(lin.weight.numel(), 1, 64, None, 1, 1, torch.device(device))
     assert est["states"] == used

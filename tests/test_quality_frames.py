@@ -21,3 +21,34 @@ def test_frames_fill_the_token_budget_as_node_microbatches():
 def test_without_frame_tokens_a_step_is_the_bench_batch():
     frames = step_frames(task_stream("arithmetic", 0), ByteTokenizer(256), steps=3, frame_tokens=0)
     assert [len(f) for f in frames] == [BATCH] * 3
+
+
+def test_node_microbatches_pack_by_tokens_without_dropping_an_example():
+    """--microbatch-tokens: the node's own stream fills each microbatch greedily, as the bench does."""
+    from node.data import load_examples, microbatches
+
+    tok = ByteTokenizer(256)
+    examples = load_examples("arithmetic", seed=0, n_builtin=50)
+    seen = []
+    stream = microbatches(examples, tok, batch=8, seq_len=64, seed=3, max_tokens=512)
+    for _ in range(12):  # more than one pass over the 50 examples
+        ids, labels = next(stream)
+        assert ids.numel() <= 512 and ids.shape[1] <= 64
+        assert ids.shape[0] > 8  # the budget, not --microbatch, sets the rows
+        seen += [bytes(r[r != tok.eos_token_id].tolist()) for r in ids]
+    first_pass = seen[:50]
+    assert sorted(first_pass) == sorted(bytes(tokenize(tok, e, 64)[0][:-1]) for e in examples)
+    # without a budget: exactly --microbatch rows
+    ids, _ = next(microbatches(examples, tok, batch=8, seq_len=64, seed=3))
+    assert ids.shape[0] == 8
+
+
+def test_run_record_bounds_a_token_packed_frame():
+    from protocol.records import RunRecord
+
+    base = dict(run_id="r", model_name="m", model_hash="h", num_layers=2, hidden=8, stages=[[0, 2]])
+    rows = RunRecord(**base, seq_len=64, microbatch=8)
+    assert rows.frame_fits(8, 64) and not rows.frame_fits(9, 10)
+    packed = RunRecord(**base, seq_len=64, microbatch=8, microbatch_tokens=512)
+    assert packed.frame_fits(25, 20) and not packed.frame_fits(9, 64) and not packed.frame_fits(1, 65)
+    assert packed.max_frame_tokens == 512 and rows.max_frame_tokens == 512
