@@ -53,9 +53,11 @@ from compression.spectral import SpectralFilter, filter_gradients, is_target_mat
 from node.data import Example, arithmetic_example, collate, frame_full, ordering_example, tokenize
 from node.model import load_model
 from node.stages import IGNORE_INDEX, Stage, build_stage
+from protocol.frames import pack_labels
 
 RANGES = [[0, 8], [8, 16], [16, 23], [23, 30]]
 HIDDEN = 576
+VOCAB = 49152  # SmolLM2's vocabulary: labels travel in 2 bytes
 DENSE_BPT = 2 * HIDDEN  # dense bf16 wire: 1152 B per token per boundary per direction
 BATCH = 16
 LR = 1e-4
@@ -692,7 +694,7 @@ def run(
         anchor_links = [DenseCodec("bfloat16") for _ in RANGES[:-1]]
 
     train_curve, eval_curve, step_times = [], [], []
-    wire_tokens, wire_bytes = 0, 0.0
+    wire_tokens, wire_bytes, label_bytes = 0, 0.0, 0
     mode_counts = {"codec": 0, "dense": 0}
     for step in range(steps):
         t0 = time.perf_counter()
@@ -715,6 +717,8 @@ def run(
         n_tok = ids.numel()
         wire_tokens += n_tok
         wire_bytes += step_wire_bytes(codecs[0].inner, n_tok, dense_now)
+        # forward frames also carry the labels, in the node's wire layout (protocol.frames)
+        label_bytes += sum(t.numel() * t.element_size() for t in pack_labels(labels, VOCAB).values())
 
         if filt is not None and not dense_now:
             a = variant.anchor
@@ -833,6 +837,8 @@ def run(
         "eval_loss_codec": el_codec,
         "bytes_per_token": payload_bpt + basis_bpt,
         "payload_bytes_per_token": payload_bpt,
+        # forward only (the backward carries none); not in bytes_per_token, which is the payload's
+        "label_bytes_per_token": label_bytes / max(wire_tokens, 1),
         "counted_bytes_per_token": counted,
         "basis_bytes": basis_bytes,
         "basis_bytes_per_token": basis_bpt,

@@ -19,12 +19,14 @@ from node.basis import BasisUnavailable
 from node.links import Link
 from node.stages import IGNORE_INDEX
 from protocol.frames import (
+    LABEL_TENSORS,
     BadDtype,
     Frame,
     FrameError,
     MalformedFrame,
     OutOfRange,
     ShapeMismatch,
+    check_labels,
     check_payload_magnitude,
     decode_frame,
     pack_labels,
@@ -68,9 +70,7 @@ class LinkIO:
             raise MalformedFrame(f"codec {frame.codec!r} is not this run's ({self.run.codec['codec']!r})")
         if len(frame.shape) != 3 or frame.shape[2] != self.run.hidden:
             raise ShapeMismatch(f"activation shape {frame.shape} does not end in hidden {self.run.hidden}")
-        labels = frame.tensors.get("labels")
-        if labels is None or list(labels.shape) != frame.shape[:2]:
-            raise ShapeMismatch("labels missing or not (batch, tokens)")
+        check_labels(frame.tensors, frame.shape)
         if not self.run.frame_fits(frame.shape[0], frame.shape[1]):
             raise ShapeMismatch(f"microbatch {frame.shape[:2]} is empty or exceeds the run's limits")
         for name, want in codec.payload_dtypes().items():
@@ -83,7 +83,7 @@ class LinkIO:
         """(activations, labels, token ids or None) of a checked FORWARD frame (compute thread)."""
         codec = self.link_in.by_id(frame.codec)
         shape = tuple(frame.shape)
-        payload = {k: v for k, v in frame.tensors.items() if k != "labels"}
+        payload = {k: v for k, v in frame.tensors.items() if k not in LABEL_TENSORS}
         check_payload_magnitude(payload, "activations")
         try:
             x = codec.decode_forward(payload, _ctx(frame), shape)
@@ -92,7 +92,7 @@ class LinkIO:
         token_ids = None
         if codec.carries_tokens:  # passed on to the next link's payload
             token_ids = codec.tokens_from_payload(frame.tensors).reshape(shape[:2])
-        labels = unpack_labels(frame.tensors["labels"])
+        labels = unpack_labels(frame.tensors, frame.shape)
         if bool(((labels != IGNORE_INDEX) & ((labels < 0) | (labels >= self.vocab))).any()):
             raise OutOfRange(f"labels outside [0, {self.vocab})")
         return x, labels, token_ids
@@ -135,7 +135,7 @@ class LinkIO:
             tensors = dict(codec.encode_forward_with_tokens(y.detach(), token_ids.to(y.device), ctx))
         else:
             tensors = dict(codec.encode_forward(y.detach(), ctx))
-        tensors["labels"] = pack_labels(labels, self.vocab)
+        tensors.update(pack_labels(labels, self.vocab))
         return Frame(
             kind="forward",
             run_id=self.run.run_id,

@@ -220,11 +220,37 @@ def test_truncated_or_flipped_frames_fail_typed(data):
 def test_labels_pack_to_two_bytes_and_back():
     from protocol.frames import pack_labels, unpack_labels
 
-    labels = torch.tensor([[-100, 0, 5, 49151], [32767, 32768, 65533, -100]])
+    labels = torch.tensor([[7, 0, 5, 49151], [32767, 32768, 65533, -100]]).repeat(1, 8)
+    labels[1, :-1] = labels[1, :-1].abs()  # one ignored position in 64: pretraining-like
     packed = pack_labels(labels, vocab=65534)
-    assert packed.dtype == torch.int16
-    assert torch.equal(unpack_labels(packed), labels)
+    assert set(packed) == {"labels"} and packed["labels"].dtype == torch.int16  # mostly labelled: dense
+    assert torch.equal(unpack_labels(packed, [2, 32]), labels)
     wide = pack_labels(labels, vocab=200_000)
-    assert wide.dtype == torch.int32 and torch.equal(unpack_labels(wide), labels)
+    assert wide["labels"].dtype == torch.int32 and torch.equal(unpack_labels(wide, [2, 32]), labels)
     with pytest.raises(BadDtype):
-        unpack_labels(torch.zeros(2, dtype=torch.float32))
+        unpack_labels({"labels": torch.zeros(2, 32, dtype=torch.float32)}, [2, 32])
+
+
+def test_answer_only_labels_travel_sparse_and_decode_exactly():
+    """Fine-tuning labels a few answer positions per row: only those ids and a bit per position
+    travel, and they decode to the very same (batch, tokens) labels."""
+    from protocol.frames import pack_labels, unpack_labels
+
+    g = torch.Generator().manual_seed(0)
+    labels = torch.full((37, 55), -100)
+    for r in range(37):
+        n = int(torch.randint(1, 5, (1,), generator=g))  # the answer: 1-4 tokens at the row's end
+        labels[r, 55 - 10 - n : 55 - 10] = torch.randint(0, 49152, (n,), generator=g)
+    packed = pack_labels(labels, vocab=49152)
+    assert set(packed) == {"labels", "label_at"}
+    assert torch.equal(unpack_labels(packed, [37, 55, 64]), labels)
+    n = labels.numel()
+    sent = sum(t.numel() * t.element_size() for t in packed.values())
+    assert sent == -(-n // 8) + int((labels != -100).sum()) * 2 < n * 2 / 4
+    # a bit that claims a label the frame does not carry, or a mask for another shape: refused
+    bad = dict(packed, label_at=packed["label_at"].clone())
+    bad["label_at"][0] ^= 1
+    with pytest.raises(ShapeMismatch):
+        unpack_labels(bad, [37, 55])
+    with pytest.raises(ShapeMismatch):
+        unpack_labels(packed, [37, 56])

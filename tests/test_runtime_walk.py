@@ -133,7 +133,7 @@ def _forward_bytes(microbatch: int, batch: int = 2, seq: int = 8, hidden: int = 
         path=["QmStage0"],
         codec="dense",
         shape=[batch, seq, hidden],
-        tensors={"h": torch.randn(batch, seq, hidden).to(torch.bfloat16), "labels": pack_labels(labels, 512)},
+        tensors={"h": torch.randn(batch, seq, hidden).to(torch.bfloat16), **pack_labels(labels, 512)},
     )
     data = encode_frame(frame)
     return len(data).to_bytes(8, "big") + data
