@@ -37,6 +37,8 @@ def check_run_flags(a: argparse.Namespace) -> None:
         raise FlagError("--dp scape syncs every inner step; it does not combine with --outer-every")
     if a.dp_timeout <= 0:
         raise FlagError("--dp-timeout must be > 0")
+    if a.codec_k < 0:
+        raise FlagError(f"--codec-k must be >= 0 (0: the codec's own k), got {a.codec_k}")
     if a.microbatch_tokens and not a.seq_len <= a.microbatch_tokens <= 2**20:
         raise FlagError(
             f"--microbatch-tokens {a.microbatch_tokens} must be 0 or at least --seq-len ({a.seq_len}): "
@@ -268,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in ("join", "swarm"):
         if args.outer_every is None:  # DiLoCo rounds by default; SCAPE syncs every step instead
             args.outer_every = 0 if args.dp == "scape" else _CFG_DEFAULTS["outer_every"]
+        if args.microbatch_tokens is None:  # by the device: only the run's first node's counts
+            from node.devices import default_microbatch_tokens, pick_device
+
+            args.microbatch_tokens = default_microbatch_tokens(pick_device(args.device))
         try:
             check_run_flags(args)
         except FlagError as e:

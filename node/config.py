@@ -161,10 +161,11 @@ class NodeConfig:
         False, help="mask codec: scale kept channels by 1/(1-rate) (unbiased; off as in the paper)", group=RUN
     )
     codec_k: int = opt(
-        96,
-        help="pca/lowrank/topk/bottleneck: coefficients or channels per token (default: %(default)s)",
+        0,
+        help="pca/lowrank/topk/bottleneck: coefficients or channels per token; 0 = the codec's own "
+        "(lowrank 64, pca/topk/bottleneck 96) (default: %(default)s)",
         group=RUN,
-    )  # pca / topk / bottleneck: coefficients or channels per token (pca: <= hidden)
+    )  # 0: node.links.DEFAULT_K for the codec
     pca_dtype: str = opt(
         "int8",
         help="pca/lowrank codecs: coefficient dtype; int8 uses per-block scales (default: %(default)s)",
@@ -291,9 +292,11 @@ class NodeConfig:
         "microbatch_tokens",
         help="pack each microbatch by tokens: as many examples as fit in this many padded tokens, so "
         "short examples still fill a frame and a per-frame cost (the lowrank basis) is spread over "
-        "them; 0 = --microbatch examples each (default: %(default)s)",
+        "them; 0 = --microbatch examples each (default: 2048 when the run's first node has a GPU, "
+        "0 on a CPU)",
+        resolved=True,
         group=RUN,
-    )
+    )  # resolved in node.cli.main: node.devices.default_microbatch_tokens
     batch_tokens: int = run_opt(
         "batch_tokens",
         help="tokens a node accumulates before each inner optimizer step (default: %(default)s)",

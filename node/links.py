@@ -14,6 +14,11 @@ from compression.registry import make_codec
 from node.config import NodeConfig
 from protocol.records import RunRecord
 
+# --codec-k 0: each codec's own k. lowrank 64: its per-frame basis costs k·H bytes, and 64 is the
+# smallest k that learned the word task (48: 0.56x dense, 32: nothing; bench/results/quality.md);
+# pca 96: the fixed basis needs more directions for the same forward error.
+DEFAULT_K = {"lowrank": 64, "pca": 96, "topk": 96, "bottleneck": 96}
+
 
 def codec_settings(cfg: NodeConfig, model=None) -> dict:
     """The codec description a new run publishes (what ``describe()`` of the codec returns).
@@ -33,22 +38,22 @@ def codec_settings(cfg: NodeConfig, model=None) -> dict:
             "wire_dtype": cfg.wire_dtype,
         }
         return make_codec(name, **kw).describe()
+    k = cfg.codec_k or DEFAULT_K.get(name, 0)
     if name == "dense":
         kw = {"wire_dtype": cfg.wire_dtype}
     elif name == "mask":
         kw = {"rate": cfg.mask_rate, "wire_dtype": cfg.wire_dtype, "rescale": cfg.mask_rescale}
     elif name == "pca":
-        k = cfg.codec_k
         if model is not None:  # the default k = 96 on a model narrower than that: keep every direction
             k = min(k, model.config.hidden_size)
         kw = {"k": k, "coeff_dtype": cfg.pca_dtype}
     elif name == "lowrank":
-        k = cfg.codec_k if model is None else min(cfg.codec_k, model.config.hidden_size)
+        k = k if model is None else min(k, model.config.hidden_size)
         kw = {"k": k, "coeff_dtype": cfg.pca_dtype, "basis_dtype": cfg.lowrank_basis}
         if cfg.lowrank_basis == "int8":
             kw["basis_block"] = 32  # one scale per direction loses the small entries (quality.md)
     elif name in ("topk", "bottleneck"):
-        kw = {"k": cfg.codec_k}
+        kw = {"k": k}
     else:
         kw = {}
     return make_codec(name, **kw).describe()
