@@ -213,6 +213,8 @@ VARIANTS: dict[str, Variant] = {
         Variant("lowrank48i8b8", "lowrank", {"k": 48, "coeff_dtype": "int8", "basis_dtype": "int8"}),
         Variant("lowrank64i8b8k32", "lowrank", {"k": 64, "basis_dtype": "int8", "basis_block": 32}),
         Variant("lowrank48i8b8k32", "lowrank", {"k": 48, "basis_dtype": "int8", "basis_block": 32}),
+        # k = 80: the largest k still >= 10x below dense at 2048-token frames (110.5 B/token, H = 576)
+        Variant("lowrank80i8b8k32", "lowrank", {"k": 80, "basis_dtype": "int8", "basis_block": 32}),
         # a basis held by both ends of the link, updated by the sender (compression/linkbasis.py):
         # up to r new directions when the captured energy of recent frames drops below 0.99
         Variant("linkbasis64r8", "linkbasis", {"k": 64, "rank": 8}),

@@ -142,7 +142,7 @@ class NodeConfig:
     )
     stages: int = opt(2, help="pipeline stages of a new run (default: %(default)s)", group=RUN)
     codec: str = opt(
-        "pca",
+        "lowrank",
         help="pipeline-link codec; 'subspace' needs --mode pretrain and --subspace-rank (default: "
         "%(default)s)",
         choices=("dense", "mask", "pca", "lowrank", "topk", "int8", "int4", "bottleneck", "subspace"),
@@ -173,7 +173,7 @@ class NodeConfig:
         group=RUN,
     )  # pca / lowrank coefficients
     lowrank_basis: str = opt(
-        "bfloat16",
+        "int8",
         help="lowrank codec: dtype of the basis each frame carries; int8 uses a bf16 scale per 32 entries "
         "(about half the basis bytes of bfloat16) (default: %(default)s)",
         choices=("bfloat16", "int8", "float32"),

@@ -20,7 +20,7 @@ def run_swarm(report_dir, *args: str, timeout: float = 420, codec: str | None = 
     """`python -m node swarm ... --report DIR` as a user runs it; returns the parsed report.json.
 
     ``codec`` goes first, so a ``--codec`` in ``args`` overrides it; dense unless a test is about
-    codecs (the default codec, PCA, adds a calibration and basis fetches to every start-up);
+    codecs (the default codec, lowrank, adds an eigendecomposition per frame and direction);
     None runs the default codec as a user gets it.
     """
     import json

@@ -83,7 +83,7 @@ def test_defaults_are_left_out_unless_pinned():
     assert config_to_argv(NodeConfig(lr=0.5), names=["seed"]) == []
     assert config_to_argv(NodeConfig(), always=["codec", "seed", "resume"]) == [
         "--codec",
-        "pca",
+        "lowrank",
         "--seed",
         "0",
     ]
