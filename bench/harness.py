@@ -59,8 +59,8 @@ VARIANTS = {
     "m90": Variant("M90", "mask", 0.90),
     "m95": Variant("M95", "mask", 0.95),
     "m95+anchors": Variant("M95+anchors", "mask", 0.95, anchors=1),
-    "pca": Variant("pca", "pca"),  # the node's default codec (node/config.py)
-    "lowrank": Variant("lowrank", "lowrank"),
+    "pca": Variant("pca", "pca"),  # the default codec until lowrank replaced it (bench/results/quality.md)
+    "lowrank": Variant("lowrank", "lowrank"),  # the node's default codec (node/config.py)
 }
 
 
