@@ -215,6 +215,25 @@ VARIANTS: dict[str, Variant] = {
         Variant("lowrank48i8b8k32", "lowrank", {"k": 48, "basis_dtype": "int8", "basis_block": 32}),
         # k = 80: the largest k still >= 10x below dense at 2048-token frames (110.5 B/token, H = 576)
         Variant("lowrank80i8b8k32", "lowrank", {"k": 80, "basis_dtype": "int8", "basis_block": 32}),
+        # fewer directions forward, more backward, at about lowrank80's bytes: activations are nearly
+        # rank-32, gradients are not (bench/results/quality.md, fifth session)
+        Variant(
+            "lowrank48f112b",
+            "lowrank",
+            {"k": 48, "k_backward": 112, "basis_dtype": "int8", "basis_block": 32},
+        ),
+        # forward k = 64 at 8 bits, backward k = 128 at 4 bits with a scale per direction: each
+        # direction >= 10x below dense at 2048-token frames (87.7 and 110.4 B/token)
+        Variant(
+            "lowrank64f128b4",
+            "lowrank",
+            {"k": 64, "k_backward": 128, "backward_bits": 4, "basis_dtype": "int8", "basis_block": 32},
+        ),
+        Variant(
+            "lowrank32f128b",
+            "lowrank",
+            {"k": 32, "k_backward": 128, "basis_dtype": "int8", "basis_block": 32},
+        ),
         # a basis held by both ends of the link, updated by the sender (compression/linkbasis.py):
         # up to r new directions when the captured energy of recent frames drops below 0.99
         Variant("linkbasis64r8", "linkbasis", {"k": 64, "rank": 8}),

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from compression.baselines import dequantize_blockwise, quantize_blockwise
+from compression.baselines import dequantize_blockwise, pack_int4, quantize_blockwise, unpack_int4
 from compression.codec import WIRE_DTYPES, LinkCodec, LinkContext, Payload
 
 COEFF_DTYPES = ("int8", "bfloat16", "float32")
@@ -59,9 +59,15 @@ class LowRankCodec(LinkCodec):
         scale_dtype: str = "bfloat16",
         basis_dtype: str = "bfloat16",
         basis_block: int = 0,
+        k_backward: int = 0,
+        backward_bits: int = 8,
     ):
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
+        if k_backward < 0:
+            raise ValueError(f"k_backward must be >= 0 (0: k), got {k_backward}")
+        if backward_bits not in (4, 8) or (backward_bits == 4 and coeff_dtype != "int8"):
+            raise ValueError(f"backward_bits must be 8, or 4 with int8 coefficients; got {backward_bits}")
         if coeff_dtype not in COEFF_DTYPES:
             raise ValueError(f"coeff_dtype {coeff_dtype!r} not in {COEFF_DTYPES}")
         if basis_dtype not in BASIS_DTYPES:
@@ -71,6 +77,17 @@ class LowRankCodec(LinkCodec):
         if block < 1:
             raise ValueError(f"block must be >= 1, got {block}")
         self.k, self.coeff_dtype, self.block = int(k), coeff_dtype, int(block)
+        # The backward's own k. Why: a pretrained model's boundary activations are nearly rank-k
+        # (top 32 directions leave 1-12% of the centred signal), its boundary gradients are not
+        # (top 64 leave 22-28% at 2048-token frames, top 128 15-19%: bench.grad_struct), so the
+        # bytes buy more where the gradient is.
+        self.k_backward = int(k_backward)
+        # 4-bit backward coefficients, each direction first divided by its RMS over the frame (k
+        # bf16 scales per frame). Why: a gradient's spectrum is flat, so at equal bytes twice the
+        # directions at half the bits leave less error (2048-token word frames: k = 128 at 4 bits,
+        # 111 B/token, 0.18-0.21 relative error; k = 64 at 8 bits, 87 B, 0.22-0.28), and without
+        # the per-direction scale the top direction's block absmax crushes the small ones at 4 bits.
+        self.backward_bits = int(backward_bits)
         self.scale_dtype, self.basis_dtype = scale_dtype, basis_dtype
         if basis_block < 0:
             raise ValueError(f"basis_block must be >= 0, got {basis_block}")
@@ -83,9 +100,12 @@ class LowRankCodec(LinkCodec):
 
     # ---- pieces shared by both directions ----------------------------------------------------
 
-    def _basis(self, rows: torch.Tensor) -> tuple[Payload, torch.Tensor]:
+    def _k(self, direction: str, hidden: int) -> int:
+        k = self.k_backward if direction == "backward" and self.k_backward else self.k
+        return min(k, hidden)
+
+    def _basis(self, rows: torch.Tensor, k: int) -> tuple[Payload, torch.Tensor]:
         """The top directions as sent, and as both ends will use them (rounded first)."""
-        k = min(self.k, rows.shape[-1])
         vt = top_directions(rows, k).T.contiguous()  # (k, H)
         if self.basis_dtype == "int8":
             bb = self._bblock(vt.shape[1])
@@ -97,7 +117,7 @@ class LowRankCodec(LinkCodec):
     def _bblock(self, hidden: int) -> int:
         return self.basis_block or hidden
 
-    def _basis_of(self, payload: Payload) -> torch.Tensor:
+    def _basis_of(self, payload: Payload, direction: str) -> torch.Tensor:
         if self.basis_dtype == "int8":
             q, scale = payload["vq"], payload["vscale"]
             if q.dim() != 2:
@@ -109,23 +129,35 @@ class LowRankCodec(LinkCodec):
         else:
             vt = payload["v"].to(torch.float32)
         # unit rows keep decode a bounded operator, so the payload magnitude check bounds the output
-        if vt.dim() != 2 or vt.shape[0] > self.k or float(vt.norm(dim=1).max()) > 1 + _NORM_TOL:
+        k = self.k_backward if direction == "backward" and self.k_backward else self.k
+        if vt.dim() != 2 or vt.shape[0] > k or float(vt.norm(dim=1).max()) > 1 + _NORM_TOL:
             raise ValueError("lowrank basis is not a set of at most k unit vectors")
         return vt
 
-    def _encode(self, rows: torch.Tensor) -> Payload:
-        out, vt = self._basis(rows)
+    def _encode(self, rows: torch.Tensor, direction: str) -> Payload:
+        out, vt = self._basis(rows, self._k(direction, rows.shape[-1]))
         c = rows @ vt.T
-        if self.coeff_dtype == "int8":
+        if direction == "backward" and self.backward_bits == 4:
+            cs = c.pow(2).mean(dim=0).sqrt().to(self._sdtype)  # per direction, rounded as sent
+            csf = cs.to(torch.float32)
+            q, scale = quantize_blockwise(c / torch.where(csf > 0, csf, 1.0), self.block, 4, self._sdtype)
+            out.update(q4=pack_int4(q), scale=scale, cs=cs)
+        elif self.coeff_dtype == "int8":
             q, scale = quantize_blockwise(c, self.block, 8, self._sdtype)
             out.update(q=q, scale=scale)
         else:
             out["c"] = c.to(WIRE_DTYPES[self.coeff_dtype]).contiguous()
         return out
 
-    def _decode(self, payload: Payload) -> torch.Tensor:
-        vt = self._basis_of(payload)
-        if self.coeff_dtype == "int8":
+    def _decode(self, payload: Payload, direction: str) -> torch.Tensor:
+        vt = self._basis_of(payload, direction)
+        if direction == "backward" and self.backward_bits == 4:
+            cs = payload["cs"]
+            if cs.shape != (vt.shape[0],):
+                raise ValueError(f"direction scales {tuple(cs.shape)} do not match {vt.shape[0]} directions")
+            q = unpack_int4(payload["q4"], vt.shape[0])
+            c = dequantize_blockwise(q, payload["scale"], self.block) * cs.to(torch.float32)
+        elif self.coeff_dtype == "int8":
             c = dequantize_blockwise(payload["q"], payload["scale"], self.block)
         else:
             c = payload["c"].to(torch.float32)
@@ -136,7 +168,7 @@ class LowRankCodec(LinkCodec):
     def encode_forward(self, h: torch.Tensor, ctx: LinkContext) -> Payload:
         rows = h.detach().reshape(-1, h.shape[-1]).to(torch.float32)
         mean = rows.mean(dim=0).to(self._bdtype)
-        out = self._encode(rows - mean.to(torch.float32))
+        out = self._encode(rows - mean.to(torch.float32), "forward")
         out["mean"] = mean.contiguous()
         return out
 
@@ -144,33 +176,38 @@ class LowRankCodec(LinkCodec):
         mean = payload["mean"]
         if tuple(mean.shape) != (shape[-1],):  # a shorter one would broadcast silently (fuzz finding)
             raise ValueError(f"mean has shape {tuple(mean.shape)}, expected ({shape[-1]},)")
-        return (self._decode(payload) + mean.to(torch.float32)).reshape(shape)
+        return (self._decode(payload, "forward") + mean.to(torch.float32)).reshape(shape)
 
     def encode_backward(self, g: torch.Tensor, ctx: LinkContext) -> Payload:
-        return self._encode(g.detach().reshape(-1, g.shape[-1]).to(torch.float32))
+        return self._encode(g.detach().reshape(-1, g.shape[-1]).to(torch.float32), "backward")
 
     def decode_backward(self, payload: Payload, ctx: LinkContext, shape: tuple[int, ...]) -> torch.Tensor:
-        return self._decode(payload).reshape(shape)
+        return self._decode(payload, "backward").reshape(shape)
 
-    def coeff_bytes_per_token(self, hidden: int) -> float:
-        k = min(self.k, hidden)
+    def coeff_bytes_per_token(self, hidden: int, direction: str = "forward") -> float:
+        k = self._k(direction, hidden)
+        if direction == "backward" and self.backward_bits == 4:
+            return float(math.ceil(k / 2) + math.ceil(k / self.block) * self._sdtype.itemsize)
         if self.coeff_dtype == "int8":
             return float(k + math.ceil(k / self.block) * self._sdtype.itemsize)
         return float(k * WIRE_DTYPES[self.coeff_dtype].itemsize)
 
     def frame_bytes(self, tokens: int, hidden: int, direction: str) -> int:
         """Exact payload bytes of one frame of ``tokens`` rows ('forward' adds the mean)."""
-        k = min(self.k, hidden)
+        k = self._k(direction, hidden)
         if self.basis_dtype == "int8":
             basis = k * hidden + 2 * k * math.ceil(hidden / self._bblock(hidden))  # int8 + bf16 scales
         else:
             basis = k * hidden * self._bdtype.itemsize
         mean = hidden * self._bdtype.itemsize if direction == "forward" else 0
-        return int(basis + mean + tokens * self.coeff_bytes_per_token(hidden))
+        if direction == "backward" and self.backward_bits == 4:
+            mean = k * self._sdtype.itemsize  # the per-direction scales
+        return int(basis + mean + tokens * self.coeff_bytes_per_token(hidden, direction))
 
     def bytes_per_token(self, hidden: int) -> float:
-        """Coefficients only: the per-frame basis depends on the frame's length (``frame_bytes``)."""
-        return self.coeff_bytes_per_token(hidden)
+        """Coefficients only, mean of the two directions: the per-frame basis depends on the frame's
+        length (``frame_bytes``)."""
+        return (self.coeff_bytes_per_token(hidden) + self.coeff_bytes_per_token(hidden, "backward")) / 2
 
     def describe(self) -> dict:
         d = {
@@ -183,6 +220,10 @@ class LowRankCodec(LinkCodec):
             d.update(block=self.block, scale_dtype=self.scale_dtype)
         if self.basis_block:
             d["basis_block"] = self.basis_block
+        if self.k_backward:
+            d["k_backward"] = self.k_backward
+        if self.backward_bits != 8:
+            d["backward_bits"] = self.backward_bits
         return d
 
     def payload_dtypes(self) -> dict[str, torch.dtype]:
@@ -196,4 +237,6 @@ class LowRankCodec(LinkCodec):
             d.update(q=torch.int8, scale=self._sdtype)
         else:
             d["c"] = WIRE_DTYPES[self.coeff_dtype]
+        if self.backward_bits == 4:
+            d.update(q4=torch.uint8, cs=self._sdtype)
         return d

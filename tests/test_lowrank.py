@@ -97,3 +97,49 @@ def test_blockwise_int8_basis_is_closer_with_massive_activations():
         got = c.decode_forward(c.encode_forward(x, CTX), CTX, tuple(x.shape))
         errs[bb] = float((got - want).norm() / (want - x.mean(0)).norm())
     assert errs[32] < 0.75 * errs[0], errs
+
+
+def test_backward_with_its_own_k_is_exact_on_its_rank_and_bills_each_direction():
+    """k_backward: the gradient gets more directions than the activations; each direction is the
+    best approximation of its own rank (truncated SVD), and its bytes are its own frame_bytes."""
+    c = LowRankCodec(k=4, k_backward=12, coeff_dtype="float32", basis_dtype="float32")
+    g = _low_rank(40, 64, 12, 6).reshape(4, 10, 64)  # rank 12: only the backward's k holds it
+    back = c.decode_backward(c.encode_backward(g, CTX), CTX, tuple(g.shape))
+    assert torch.allclose(back, g, atol=1e-4)
+    h = _low_rank(40, 64, 12, 7).reshape(4, 10, 64)
+    fwd = c.decode_forward(c.encode_forward(h, CTX), CTX, tuple(h.shape))
+    rows = h.reshape(40, 64) - h.reshape(40, 64).mean(0)
+    u, s, vh = torch.linalg.svd(rows.double(), full_matrices=False)
+    best = (u[:, :4] * s[:4]) @ vh[:4]  # the forward keeps only its 4 (Eckart-Young)
+    err = float((fwd.reshape(40, 64) - h.reshape(40, 64)).norm())
+    assert abs(err - float((best - rows).norm())) < 1e-3 * float(rows.norm())
+    q = LowRankCodec(k=8, k_backward=24, basis_dtype="int8", basis_block=16)
+    x = torch.randn(3, 7, 50)
+    pf, pb = q.encode_forward(x, CTX), q.encode_backward(x, CTX)
+    assert payload_nbytes(pf) == q.frame_bytes(21, 50, "forward") < q.frame_bytes(21, 50, "backward")
+    assert payload_nbytes(pb) == q.frame_bytes(21, 50, "backward")
+    assert pb["vq"].shape[0] == 24 and pf["vq"].shape[0] == 8
+    with pytest.raises(ValueError, match="unit vectors"):  # a forward frame may not carry the backward's k
+        q.decode_forward({**pf, "vq": pb["vq"], "vscale": pb["vscale"]}, CTX, (3, 7, 50))
+
+
+def test_four_bit_backward_buys_more_directions_of_a_flat_gradient_at_equal_bytes():
+    """A gradient whose energy is spread over 32 directions: 32 directions at 4 bits (with a scale
+    per direction) leave less error than 16 at 8 bits, for about the same bytes per token."""
+    g = torch.randn(512, 32, generator=torch.Generator().manual_seed(8)) @ torch.linalg.qr(
+        torch.randn(96, 32, generator=torch.Generator().manual_seed(9))
+    )[0].T  # equal singular values: a flat spectrum
+    g = g + 0.01 * torch.randn(512, 96, generator=torch.Generator().manual_seed(10))
+    wide = LowRankCodec(k=4, k_backward=32, backward_bits=4, basis_dtype="int8", basis_block=32)
+    narrow = LowRankCodec(k=4, k_backward=16, basis_dtype="int8", basis_block=32)
+
+    def err(c):
+        p = c.encode_backward(g, CTX)
+        assert payload_nbytes(p) == c.frame_bytes(512, 96, "backward")
+        return float((c.decode_backward(p, CTX, (512, 96)) - g).norm() / g.norm())
+
+    assert wide.frame_bytes(512, 96, "backward") <= 1.25 * narrow.frame_bytes(512, 96, "backward")
+    assert err(wide) < 0.15 < 0.5 < err(narrow)  # measured: 0.098 against 0.62
+    p = wide.encode_backward(g, CTX)
+    with pytest.raises(ValueError, match="direction scales"):
+        wide.decode_backward({**p, "cs": p["cs"][:-1]}, CTX, (512, 96))
