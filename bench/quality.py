@@ -215,13 +215,6 @@ VARIANTS: dict[str, Variant] = {
         Variant("lowrank48i8b8k32", "lowrank", {"k": 48, "basis_dtype": "int8", "basis_block": 32}),
         # k = 80: the largest k still >= 10x below dense at 2048-token frames (110.5 B/token, H = 576)
         Variant("lowrank80i8b8k32", "lowrank", {"k": 80, "basis_dtype": "int8", "basis_block": 32}),
-        # fewer directions forward, more backward, at about lowrank80's bytes: activations are nearly
-        # rank-32, gradients are not (bench/results/quality.md, fifth session)
-        Variant(
-            "lowrank48f112b",
-            "lowrank",
-            {"k": 48, "k_backward": 112, "basis_dtype": "int8", "basis_block": 32},
-        ),
         # forward k = 64 at 8 bits, backward k = 128 at 4 bits with a scale per direction: each
         # direction >= 10x below dense at 2048-token frames (87.7 and 110.4 B/token)
         Variant(
@@ -229,6 +222,7 @@ VARIANTS: dict[str, Variant] = {
             "lowrank",
             {"k": 64, "k_backward": 128, "backward_bits": 4, "basis_dtype": "int8", "basis_block": 32},
         ),
+        # diagnostic: is the gradient's rank what the word task lacks? (backward 174 B/token: 6.6x)
         Variant(
             "lowrank32f128b",
             "lowrank",
