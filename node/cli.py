@@ -37,6 +37,8 @@ def check_run_flags(a: argparse.Namespace) -> None:
         raise FlagError("--dp scape syncs every inner step; it does not combine with --outer-every")
     if a.dp_timeout <= 0:
         raise FlagError("--dp-timeout must be > 0")
+    if a.lowrank_k_backward < 0:
+        raise FlagError(f"--lowrank-k-backward must be >= 0 (0: --codec-k), got {a.lowrank_k_backward}")
     if a.codec_k < 0:
         raise FlagError(f"--codec-k must be >= 0 (0: the codec's own k), got {a.codec_k}")
     if a.microbatch_tokens and not a.seq_len <= a.microbatch_tokens <= 2**20:

@@ -179,6 +179,19 @@ class NodeConfig:
         choices=("bfloat16", "int8", "float32"),
         group=RUN,
     )  # lowrank: the per-frame basis' dtype
+    lowrank_k_backward: int = opt(
+        0,
+        help="lowrank codec: directions of the backward (gradient) frames; 0 = the forward's k "
+        "(default: %(default)s)",
+        group=RUN,
+    )  # lowrank: the gradient's own k (its spectrum is flatter than the activations')
+    lowrank_backward_bits: int = opt(
+        8,
+        help="lowrank codec: bits of the backward's coefficients; 4 adds a scale per direction "
+        "(default: %(default)s)",
+        choices=(4, 8),
+        group=RUN,
+    )  # lowrank: 4 = twice the gradient directions for the same bytes
     calibration_tokens: int = opt(
         2048, help="tokens the run's starter uses to fit a basis codec (default: %(default)s)", group=RUN
     )  # tokens the run's starter uses to fit a basis codec

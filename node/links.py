@@ -52,6 +52,14 @@ def codec_settings(cfg: NodeConfig, model=None) -> dict:
         kw = {"k": k, "coeff_dtype": cfg.pca_dtype, "basis_dtype": cfg.lowrank_basis}
         if cfg.lowrank_basis == "int8":
             kw["basis_block"] = 32  # one scale per direction loses the small entries (quality.md)
+        if cfg.lowrank_k_backward:
+            kw["k_backward"] = (
+                cfg.lowrank_k_backward
+                if model is None
+                else min(cfg.lowrank_k_backward, model.config.hidden_size)
+            )
+        if cfg.lowrank_backward_bits != 8:
+            kw["backward_bits"] = cfg.lowrank_backward_bits
     elif name in ("topk", "bottleneck"):
         kw = {"k": k}
     else:
