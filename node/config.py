@@ -163,7 +163,7 @@ class NodeConfig:
     codec_k: int = opt(
         0,
         help="pca/lowrank/topk/bottleneck: coefficients or channels per token; 0 = the codec's own "
-        "(lowrank 64, pca/topk/bottleneck 96) (default: %(default)s)",
+        "(lowrank 80, pca/topk/bottleneck 96) (default: %(default)s)",
         group=RUN,
     )  # 0: node.links.DEFAULT_K for the codec
     pca_dtype: str = opt(

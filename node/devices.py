@@ -25,8 +25,8 @@ def pick_device(choice: str) -> torch.device:
 
 
 # A GPU volunteer's microbatches: 2048 padded tokens. Why: the lowrank link carries a k x H basis
-# in every frame, so its bytes per token fall with the frame (k = 64, H = 576: 7.9x fewer than dense
-# at 512 tokens, 13.2x at 2048, 14.8x at 4096) and a GPU runs 2048 tokens of a stage in about the
+# in every frame, so its bytes per token fall with the frame (k = 80, H = 576: 6.3x fewer than dense
+# at 512 tokens, 10.4x at 2048, 11.7x at 4096) and a GPU runs 2048 tokens of a stage in about the
 # time of 512; beyond 2048 the gain is small and each hop's frame waits longer on the link.
 # A CPU keeps --microbatch examples (a 2048-token microbatch is seconds of compute per stage).
 GPU_MICROBATCH_TOKENS = 2048

@@ -14,10 +14,11 @@ from compression.registry import make_codec
 from node.config import NodeConfig
 from protocol.records import RunRecord
 
-# --codec-k 0: each codec's own k. lowrank 64: its per-frame basis costs k·H bytes, and 64 is the
-# smallest k that learned the word task (48: 0.56x dense, 32: nothing; bench/results/quality.md);
-# pca 96: the fixed basis needs more directions for the same forward error.
-DEFAULT_K = {"lowrank": 64, "pca": 96, "topk": 96, "bottleneck": 96}
+# --codec-k 0: each codec's own k. lowrank 80: the most directions whose per-frame basis keeps
+# each direction >= 10x below dense bf16 at a GPU starter's 2048-token microbatches (110.5 B/token
+# at H = 576), and the first k that reached 0.9x dense on the word task there (0.740 vs 0.820;
+# k = 64, 13.2x: 0.645; bench/results/quality.md); pca 96: the fixed basis's measured default.
+DEFAULT_K = {"lowrank": 80, "pca": 96, "topk": 96, "bottleneck": 96}
 
 
 def codec_settings(cfg: NodeConfig, model=None) -> dict:

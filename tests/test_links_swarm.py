@@ -48,7 +48,7 @@ def links_tmp(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def default_run(links_tmp):
-    # no --codec: the default a user gets (lowrank, k = 64, int8 basis in blocks of 32), with
+    # no --codec: the default a user gets (lowrank, k = 80, int8 basis in blocks of 32), with
     # microbatches packed to 512 tokens (a GPU starter packs 2048; this is a CPU)
     return _swarm(links_tmp, "default", "--microbatch-tokens", "512", codec=None)
 
@@ -100,12 +100,12 @@ def test_default_swarm_trains_and_counts_what_the_benchmark_counts(default_run):
     rep = default_run
     loss = rep["loss"]
     assert sum(loss[-3:]) / 3 < 0.9 * sum(loss[:3]) / 3
-    codec = make_codec("lowrank", k=64, basis_dtype="int8", basis_block=32)
+    codec = make_codec("lowrank", k=80, basis_dtype="int8", basis_block=32)
     tokens = 4 * 128  # packed to 512 tokens: four full 128-token rows of the repeating text
     for (_, direction), bpt in _bpt(rep).items():
         bench = codec.frame_bytes(tokens, 640, direction) / tokens + (2 if direction == "forward" else 0)
         assert bench <= bpt <= 1.05 * bench, (direction, bpt, bench)
-        assert bpt * 8 <= DENSE_BPT  # 8.2x at 512-token frames of H = 640; 13-15x at 2048-4096
+        assert bpt * 6 <= DENSE_BPT  # 6.5x at these 512-token frames; 10.4x at a GPU starter's 2048
 
 
 def test_masked_swarm_with_anchors_trains_and_counts_anchor_bytes(mask_run):
