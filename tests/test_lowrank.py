@@ -126,9 +126,10 @@ def test_backward_with_its_own_k_is_exact_on_its_rank_and_bills_each_direction()
 def test_four_bit_backward_buys_more_directions_of_a_flat_gradient_at_equal_bytes():
     """A gradient whose energy is spread over 32 directions: 32 directions at 4 bits (with a scale
     per direction) leave less error than 16 at 8 bits, for about the same bytes per token."""
-    g = torch.randn(512, 32, generator=torch.Generator().manual_seed(8)) @ torch.linalg.qr(
-        torch.randn(96, 32, generator=torch.Generator().manual_seed(9))
-    )[0].T  # equal singular values: a flat spectrum
+    g = (
+        torch.randn(512, 32, generator=torch.Generator().manual_seed(8))
+        @ torch.linalg.qr(torch.randn(96, 32, generator=torch.Generator().manual_seed(9)))[0].T
+    )  # equal singular values: a flat spectrum
     g = g + 0.01 * torch.randn(512, 96, generator=torch.Generator().manual_seed(10))
     wide = LowRankCodec(k=4, k_backward=32, backward_bits=4, basis_dtype="int8", basis_block=32)
     narrow = LowRankCodec(k=4, k_backward=16, basis_dtype="int8", basis_block=32)
