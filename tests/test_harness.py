@@ -16,7 +16,9 @@ import sys
 import pytest
 
 from bench.netns import NetnsUnavailable, check_support, leftover_namespaces
+from node.wire import BULK_SLOTS
 
+FRAME_BYTES = 4 * 64 * 256 * 2  # the smoke's dense bf16 frame: 4 x 64 tokens x hidden 256
 SMOKE = [
     "--nodes", "2", "--stages", "2",
     "--model", "emulate:256:2:0",  # hidden 256, 2 layers, no compute sleep
@@ -68,10 +70,12 @@ def test_capped_smoke(tmp_path):
         assert e["rate_mbit"] == 2.0
         assert e["wire_utilisation"] is not None, name
         assert e["wire_utilisation"] <= 1.1, (name, e["wire_bytes_per_s"])
-        # frame bytes count when written to the stream, and a window can end with a socket buffer
-        # (~100-200 kB) not yet on the wire: 15% of the 1.5 MB a 6 s window carries at 2 Mbit/s
-        # (measured once: 1.105). A frame counted twice would read 2x.
-        assert e["link_utilisation"] <= 1.2, (name, e["egress_frame_bytes_per_s"])
+        # frame bytes count when written to the stream, and a window can end with frames written but
+        # not yet on the wire: one per write turn (node.wire.BULK_SLOTS) plus a socket buffer's worth,
+        # against the 1.5 MB a 6 s window carries at 2 Mbit/s (measured: 1.105, and 1.219 on a
+        # loaded machine). A frame counted twice would read 2x.
+        slack = (BULK_SLOTS + 1) * FRAME_BYTES / (2e6 / 8 * 6)
+        assert e["link_utilisation"] <= 1 + slack, (name, e["egress_frame_bytes_per_s"], slack)
         assert e["tokens_per_s"] > 0, name
     assert res["mask"]["bytes_per_token"] < res["dense"]["bytes_per_token"] / 5
     assert res["mask"]["tokens_per_s"] > res["dense"]["tokens_per_s"], (
