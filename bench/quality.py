@@ -222,12 +222,6 @@ VARIANTS: dict[str, Variant] = {
             "lowrank",
             {"k": 64, "k_backward": 128, "backward_bits": 4, "basis_dtype": "int8", "basis_block": 32},
         ),
-        # diagnostic: is the gradient's rank what the word task lacks? (backward 174 B/token: 6.6x)
-        Variant(
-            "lowrank32f128b",
-            "lowrank",
-            {"k": 32, "k_backward": 128, "basis_dtype": "int8", "basis_block": 32},
-        ),
         # a basis held by both ends of the link, updated by the sender (compression/linkbasis.py):
         # up to r new directions when the captured energy of recent frames drops below 0.99
         Variant("linkbasis64r8", "linkbasis", {"k": 64, "rank": 8}),
