@@ -24,7 +24,7 @@ model: setup
 	$(PY) -m node prepare-model
 
 demo: model
-	$(PY) -m node swarm --nodes 3 --stages 2 --steps 40 --microbatch-tokens 512 --eval 20 --export runs/demo/model --report runs/demo
+	$(PY) -m node swarm --nodes 3 --stages 2 --steps 40 --eval 20 --export runs/demo/model --report runs/demo
 
 test: setup
 	$(PY) -m pytest -q
