@@ -129,8 +129,11 @@ class LowRankCodec(LinkCodec):
         else:
             vt = payload["v"].to(torch.float32)
         # unit rows keep decode a bounded operator, so the payload magnitude check bounds the output
-        k = self.k_backward if direction == "backward" and self.k_backward else self.k
-        if vt.dim() != 2 or vt.shape[0] > k or float(vt.norm(dim=1).max()) > 1 + _NORM_TOL:
+        if (
+            vt.dim() != 2
+            or vt.shape[0] > self._k(direction, vt.shape[1])
+            or float(vt.norm(dim=1).max()) > 1 + _NORM_TOL
+        ):
             raise ValueError("lowrank basis is not a set of at most k unit vectors")
         return vt
 
@@ -199,10 +202,11 @@ class LowRankCodec(LinkCodec):
             basis = k * hidden + 2 * k * math.ceil(hidden / self._bblock(hidden))  # int8 + bf16 scales
         else:
             basis = k * hidden * self._bdtype.itemsize
-        mean = hidden * self._bdtype.itemsize if direction == "forward" else 0
-        if direction == "backward" and self.backward_bits == 4:
-            mean = k * self._sdtype.itemsize  # the per-direction scales
-        return int(basis + mean + tokens * self.coeff_bytes_per_token(hidden, direction))
+        if direction == "forward":
+            extra = hidden * self._bdtype.itemsize  # the mean
+        else:
+            extra = k * self._sdtype.itemsize if self.backward_bits == 4 else 0  # per-direction scales
+        return int(basis + extra + tokens * self.coeff_bytes_per_token(hidden, direction))
 
     def bytes_per_token(self, hidden: int) -> float:
         """Coefficients only, mean of the two directions: the per-frame basis depends on the frame's
