@@ -32,6 +32,13 @@ still cost a dense V x H gradient per step per partner (9 GB in a 40-step demo o
 starved the replicas' CPU until their DiLoCo rounds no longer met) without keeping the copies
 equal. So with replicas nothing is exchanged (each skipped step counts in ``tied_unpaired``): the
 copies train apart, as an untied model's would, and export writes them untied.
+
+Each side judges "one head, one tail" from its own view of the DHT, and the views can differ for a
+heartbeat or longer (a replica one side sees and the other does not yet, or no longer). So a side
+waits for the partner only once the partner has answered ours with ``paired``: it pairs with us
+too, and has not yet ended that step's exchange. One that answers ``paired: 0`` will not send; the
+sender steps at once, and offers again after ``REPAIR_EVERY`` steps (a dense tail gradient is
+113 MB), or at once when the partner offers first.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ log = logging.getLogger("node")
 
 TIED_HANDLER = "vnode.tied"
 STEP_WINDOW = 2  # a gradient more than this many steps away from ours is refused, not stored
+REPAIR_EVERY = 10  # steps between offers to a partner that answered it does not pair with us
 
 
 def tied_parameter(ctx: StageContext) -> torch.nn.Parameter | None:
@@ -120,6 +128,8 @@ class TiedExchange:
         self.inbox: dict[tuple[int, str], torch.Tensor] = {}
         self.newest: dict[str, int] = {}
         self._arrived = asyncio.Condition()
+        self.declined: tuple[int, str] | None = None  # (step, partner) of the last "paired: 0" answer
+        self.done_step = -1  # the last step whose exchange has ended: a later offer for it is declined
 
     # ------------------------------------------------------------ sending side
     def own_mean(self, microbatches: int) -> torch.Tensor:
@@ -142,6 +152,12 @@ class TiedExchange:
         ``gate``: our step's; while we wait for the partner it turns new microbatches away, since
         the partner's own step may wait for one of them to drain (upstream drops or retries it).
         """
+        try:
+            return await self._exchange(step, mean, gate)
+        finally:
+            self.done_step = max(self.done_step, step)
+
+    async def _exchange(self, step: int, mean: torch.Tensor, gate: Gate) -> torch.Tensor | None:
         ctx, m = self.ctx, self.ctx.metrics
         peers = self._partners()
         if not peers:  # routes are refreshed each heartbeat: a partner that just came may be missing
@@ -150,23 +166,30 @@ class TiedExchange:
         if not self.paired(peers):  # replicas: no step to pair, see the module docstring
             m.tied_unpaired += 1
             return None
+        (partner,) = peers
+        if self.declined and self.declined[1] == partner and step - self.declined[0] < REPAIR_EVERY:
+            m.tied_unpaired += 1  # it does not pair with us: do not offer again each step
+            return None
         payload = await ctx.compute(tied_payload, mean, ctx.is_head)
         frame = Frame(kind="tied", run_id=ctx.run.run_id, step=step, tensors=payload)
-        results = await asyncio.gather(
-            *(
-                rpc.request(
-                    ctx.p2p, ctx.wire, p, TIED_HANDLER, frame, self.deadline_s, ctx.run.run_id, stream=True
-                )
-                for p in peers
-            ),
-            return_exceptions=True,
-        )
-        for peer, r in zip(peers, results):
-            if isinstance(r, BaseException):
-                log.info("tied gradient to %s failed: %s", peer[:12], r)
-            else:
-                m.tied_bytes_sent += r[1]
-        (partner,) = peers
+        try:
+            replies, sent, _ = await rpc.request(
+                ctx.p2p, ctx.wire, partner, TIED_HANDLER, frame, self.deadline_s, ctx.run.run_id, stream=True
+            )
+        except Exception as e:  # unreachable, timed out, or refused (a malformed frame): it lacks ours
+            log.info("tied gradient to %s failed: %s", partner[:12], e)
+            m.tied_missed += 1
+            return None
+        m.tied_bytes_sent += sent
+        if not replies[-1].meta.get("paired"):
+            # Each side judges "one head, one tail" from its own view of the DHT, and the views can
+            # differ for a heartbeat or more (a replica the partner sees and we do not). Waiting then
+            # would hold our gate for the whole deadline at every step while the partner never sends
+            # (seen: a tail paired with one of two heads stalled the run). Step only when both agree.
+            m.tied_unpaired += 1
+            self.declined = (step, partner)
+            return None
+        self.declined = None
         deadline = time.monotonic() + self.deadline_s
         await gate.set_refusing(True)
         try:
@@ -190,8 +213,7 @@ class TiedExchange:
                 self.deadline_s,
             )
             return None
-        async with self._arrived:
-            grad, self.inbox = self.inbox[(step, partner)], {}  # older ones: steps we gave up on
+        grad, self.inbox = self.inbox[(step, partner)], {}  # older ones: steps we gave up on
         m.tied_exchanged += 1
         return grad
 
@@ -209,8 +231,13 @@ class TiedExchange:
             frame = decode_frame(data, run_id=ctx.run.run_id)  # finite floats only
             if frame.kind != "tied":
                 raise FrameError("expected a tied gradient")
-            # paired, the partner's step is ours; with replicas, a sender's steps only go forward
-            if self.paired(self._partners()) and abs(frame.step - ctx.inner_step) > STEP_WINDOW:
+            partners = self._partners()
+            if not (self.paired(partners) and partners == [peer]) or frame.step <= self.done_step:
+                # we do not pair with this sender (we see a replica it does not), or we are past that
+                # step's exchange: we will not send ours, so it must not wait
+                await self._ack(writer, frame.step, paired=False)
+                return
+            if abs(frame.step - ctx.inner_step) > STEP_WINDOW:  # paired, the partner's step is ours
                 raise FrameError(
                     f"tied gradient of step {frame.step}, {STEP_WINDOW}+ steps from ours ({ctx.inner_step})"
                 )
@@ -222,8 +249,8 @@ class TiedExchange:
                 self.inbox = {k: g for k, g in self.inbox.items() if k[1] != peer}  # the newest only
                 self.inbox[(frame.step, peer)] = grad
                 self._arrived.notify_all()
-            ack = Frame(kind="tied", run_id=ctx.run.run_id, step=frame.step, meta={"last": 1})
-            await ctx.wire.send(writer, encode_frame(ack), ctx.cfg.hop_timeout)
+            self.declined = None  # it pairs with us again: offer ours at this step
+            await self._ack(writer, frame.step, paired=True)
         except Exception as e:
             log.info("tied gradient from %s refused: %s", peer[:12], e)
             with contextlib.suppress(Exception):
@@ -231,3 +258,8 @@ class TiedExchange:
                 await ctx.wire.send(writer, encode_frame(err), ctx.cfg.hop_timeout)
         finally:
             close_quietly(writer)
+
+    async def _ack(self, writer: asyncio.StreamWriter, step: int, paired: bool) -> None:
+        ctx = self.ctx
+        ack = Frame(kind="tied", run_id=ctx.run.run_id, step=step, meta={"last": 1, "paired": int(paired)})
+        await ctx.wire.send(writer, encode_frame(ack), ctx.cfg.hop_timeout)

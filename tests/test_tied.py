@@ -1,6 +1,7 @@
 """Tied embeddings stay tied across processes (issue 14 item 2): one step of a 2-stage swarm
 equals one step of the whole model, and the head's and the tail's copies stay bit-identical."""
 
+import asyncio
 import copy
 import json
 import os
@@ -164,3 +165,98 @@ def test_clip_treats_the_tied_tensor_alike_on_both_sides():
     torch.testing.assert_close(g_head, total / total.norm(), rtol=1e-6, atol=0)  # clipped to norm 1
     torch.testing.assert_close(r_head.norm(), torch.tensor(1.0))  # the rest by their own norm
     torch.testing.assert_close(r_tail, torch.full((8,), 0.01))  # under the clip: unchanged
+
+
+class _Gate:
+    def __init__(self) -> None:
+        self.refused = 0
+
+    async def set_refusing(self, refusing: bool) -> None:
+        self.refused += refusing
+
+
+def test_a_side_waits_only_for_a_partner_that_pairs_with_it():
+    """Each side judges "one head, one tail" from its own DHT view, and the views can differ (seen:
+    a tail that saw one of two heads waited 30 s for it at every step, refusing the heads' work,
+    and the run stalled). Real p2pd daemons on loopback, three TiedExchanges with chosen views:
+    the tail sees only head 1, head 1 sees its replica head 2. The tail must step at once without
+    holding its gate, and not offer its (dense) gradient again for REPAIR_EVERY steps; a head and a
+    tail that see only each other still exchange exactly, the one that sends first waiting."""
+    from hivemind.p2p import P2P
+
+    from node.compute import Compute
+    from node.config import NodeConfig
+    from node.context import StageContext
+    from node.metrics import Metrics
+    from node.tied import REPAIR_EVERY, TIED_HANDLER, TiedExchange
+    from protocol.records import RunRecord, StageRecord
+
+    run = RunRecord(
+        run_id="views", model_name="m", model_hash="h", num_layers=2, hidden=4, stages=[[0, 1], [1, 2]]
+    )
+    _, dense, sparse = _tied_grads()
+
+    async def main():
+        peers = [await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
+        addrs = [str(a) for a in await peers[0].get_visible_maddrs()]
+        peers += [await P2P.create(initial_peers=addrs) for _ in range(2)]
+        h1, h2, t = (str(p.peer_id) for p in peers)
+        ready = StageRecord(circuit="fast", ready=True)
+        try:
+            sides = []
+            for p2p, index in zip(peers, (0, 0, 1)):
+                ctx = StageContext(
+                    NodeConfig(), run, index, None, str(p2p.peer_id), Compute(), Metrics(), p2p=p2p
+                )
+                ex = TiedExchange(ctx, torch.nn.Parameter(torch.zeros(16, 4)), 20.0, _no_refresh)
+                await p2p.add_binary_stream_handler(TIED_HANDLER, ex.handle)
+                sides.append(ex)
+            head1, _, tail = sides
+            head1.ctx.routes = [{h1: ready, h2: ready}, {t: ready}]
+            tail.ctx.routes = [{h1: ready}, {t: ready}]  # head 2 not (yet, or no longer) in its view
+
+            gate, t0 = _Gate(), asyncio.get_running_loop().time()
+            assert await asyncio.wait_for(tail.exchange(0, dense, gate), 10) is None
+            assert asyncio.get_running_loop().time() - t0 < 5 and gate.refused == 0
+            m = tail.ctx.metrics
+            assert (m.tied_unpaired, m.tied_missed, m.tied_exchanged) == (1, 0, 0) and not head1.inbox
+            sent = m.tied_bytes_sent
+            assert sent > dense.numel() * 4
+            for step in range(1, REPAIR_EVERY):  # declined: no dense gradient each step
+                assert await tail.exchange(step, dense, gate) is None
+            assert m.tied_bytes_sent == sent and m.tied_unpaired == REPAIR_EVERY
+            assert await tail.exchange(REPAIR_EVERY, dense, gate) is None  # then it offers again
+            assert m.tied_bytes_sent == 2 * sent
+
+            head1.ctx.routes = [{h1: ready}, {t: ready}]  # head 2 left: both views agree now
+            head1.ctx.inner_step = tail.ctx.inner_step = REPAIR_EVERY + 1
+            head_gate = _Gate()
+
+            async def tail_late():
+                await asyncio.sleep(1.0)  # the head offers first (ending the tail's pause) and waits
+                return await tail.exchange(REPAIR_EVERY + 1, dense, gate)
+
+            got_head, got_tail = await asyncio.wait_for(
+                asyncio.gather(head1.exchange(REPAIR_EVERY + 1, sparse, head_gate), tail_late()), 30
+            )
+            assert torch.equal(got_tail, sparse) and torch.equal(got_head, dense)
+            assert head_gate.refused == 1 and m.tied_exchanged == head1.ctx.metrics.tied_exchanged == 1
+
+            # the tail ends step 12 unpaired (head 1 sees head 2 again); head 1's view then agrees
+            # and it offers step 12 late: the tail has ended that step, so the head must not wait
+            step = REPAIR_EVERY + 2
+            head1.ctx.routes = [{h1: ready, h2: ready}, {t: ready}]
+            assert await tail.exchange(step, dense, gate) is None
+            head1.ctx.routes = [{h1: ready}, {t: ready}]
+            t0 = asyncio.get_running_loop().time()
+            assert await asyncio.wait_for(head1.exchange(step, sparse, head_gate), 10) is None
+            assert asyncio.get_running_loop().time() - t0 < 5 and head_gate.refused == 1
+        finally:
+            for p in peers:
+                await p.shutdown()
+
+    asyncio.run(main())
+
+
+async def _no_refresh() -> None:
+    pass
