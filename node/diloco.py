@@ -94,6 +94,7 @@ log = logging.getLogger("node")
 
 MODES = ("diloco", "gasloc")
 STATE_VERSION = 1
+LEAVE_GRACE_S = 5.0  # a node told to stop finishes an all-reduce under way for at most this long
 AVERAGER_START_ATTEMPTS = 2  # hivemind's forked averager can deadlock at start-up; fork once more
 
 # Slots of the shared record between the host and the helper process (doubles; tokens < 2**53).
@@ -586,7 +587,11 @@ class OuterSync:
             )
             while True:  # in slices, so that a node told to stop leaves a lonely round at once
                 if self._leaving.is_set():
-                    raise RuntimeError("the node is leaving the swarm")
+                    if not control.began_allreduce:
+                        raise RuntimeError("the node is leaving the swarm")
+                    # the group formed and the all-reduce is under way: the partners will commit
+                    # it, so finish it (briefly) rather than keep an outer model they no longer hold
+                    deadline = min(deadline, time.monotonic() + LEAVE_GRACE_S)
                 try:
                     control.result(timeout=min(0.25, max(0.0, deadline - time.monotonic())))
                     break
