@@ -182,10 +182,8 @@ class TiedExchange:
             return None
         m.tied_bytes_sent += sent
         if not replies[-1].meta.get("paired"):
-            # Each side judges "one head, one tail" from its own view of the DHT, and the views can
-            # differ for a heartbeat or more (a replica the partner sees and we do not). Waiting then
-            # would hold our gate for the whole deadline at every step while the partner never sends
-            # (seen: a tail paired with one of two heads stalled the run). Step only when both agree.
+            # its view differs from ours (see the module docstring): waiting would hold our gate for
+            # the whole deadline while it never sends (seen: a stalled run). Step at once.
             m.tied_unpaired += 1
             self.declined = (step, partner)
             return None
