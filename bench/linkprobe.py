@@ -234,8 +234,28 @@ async def _p2p_send(peer_maddr: str) -> None:
         finally:
             close_quietly(writer)
 
-    async def one_case(size: int, frames: int, streams: int, echo: bool, serial: int = 0) -> dict:
-        data = _frame(size, echo, serial)
+    async def call_split(chunk: bytes, split: int, sending: asyncio.Semaphore | None) -> None:
+        # one frame as `split` parts, each on its own stream at once: each stream's yamux window
+        # starts small and grows per round trip, so parts multiply the window a frame starts with
+        async with sending or contextlib.nullcontext():
+            streams = [await open_stream(p2p, peer, HANDLER, CASE_TIMEOUT_S) for _ in range(split)]
+            try:
+                await asyncio.gather(*(wire.send(w, chunk, CASE_TIMEOUT_S) for _, w in streams))
+            except BaseException:
+                for _, w in streams:
+                    close_quietly(w)
+                raise
+        try:
+            await asyncio.gather(*(wire.recv(r, len(chunk) + 64, CASE_TIMEOUT_S) for r, _ in streams))
+        finally:
+            for _, w in streams:
+                close_quietly(w)
+
+    async def one_case(
+        size: int, frames: int, streams: int, echo: bool, serial: int = 0, split: int = 1
+    ) -> dict:
+        # the receiver writes as many replies at once as this side writes parts
+        data = _frame(size // split, echo, min(255, serial * split))
         sending = asyncio.Semaphore(serial) if serial else None
         todo = list(range(frames))
         per_frame: list[float] = []
@@ -244,7 +264,7 @@ async def _p2p_send(peer_maddr: str) -> None:
             while todo:
                 todo.pop()
                 t = time.perf_counter()
-                await call(data, sending)
+                await (call(data, sending) if split == 1 else call_split(data, split, sending))
                 per_frame.append(round(time.perf_counter() - t, 3))
 
         t0 = time.perf_counter()
@@ -298,12 +318,12 @@ class Pair:
             ready = self._role(1, RECV, "p2p-recv", host, str(PORT), dial if behind else "")
             self._role(0, SEND, "p2p-send", f"{dial}/p2p/{ready['peer_id']}")
 
-    def run_case(self, size: int, frames: int, streams: int, echo: bool, serial: int) -> dict:
+    def run_case(self, size: int, frames: int, streams: int, echo: bool, serial: int, split: int = 1) -> dict:
         roots = {g: [p.pid] for g, p in self.procs.items()}
         c0, w0, t0 = self.topo.cpu_by_node(roots, by_comm=True), self.topo.counters(), time.monotonic()
         send = self.procs[SEND]
         case = {"size": size, "frames": frames, "echo": echo}
-        case |= {"streams": streams, "serial": serial} if self.kind == "p2p" else {}
+        case |= {"streams": streams, "serial": serial, "split": split} if self.kind == "p2p" else {}
         send.stdin.write(json.dumps(case) + "\n")
         send.stdin.flush()
         line = send.stdout.readline()
@@ -339,13 +359,17 @@ class Pair:
         self.procs.clear()
 
 
-def _cases(a, kind: str) -> list[tuple[int, str, int, str]]:
-    """(frame size, reply, streams, writes) of one (RTT, kind); tcp runs one connection, whose
-    frames are serial already."""
+def _cases(a, kind: str) -> list[tuple[int, str, int, str, int]]:
+    """(frame size, reply, streams, writes, split) of one (RTT, kind); tcp runs one connection,
+    whose frames are serial and whole already."""
     replies = [r.strip() for r in a.replies.split(",") if r.strip()]
     streams = _ints(a.streams) if kind == "p2p" else [1]
     writes = [w.strip() for w in a.writes.split(",") if w.strip()] if kind == "p2p" else ["serial"]
-    return [(size, r, n, w) for size in _ints(a.sizes) for r in replies for n in streams for w in writes]
+    splits = _ints(a.splits) if kind == "p2p" else [1]
+    return [
+        (size, r, n, w, k)
+        for size in _ints(a.sizes) for r in replies for n in streams for w in writes for k in splits
+    ]  # fmt: skip
 
 
 def _proxy_queue(spec: str, rate_bps: float, delay_ms: float) -> int:
@@ -373,6 +397,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kinds", default="tcp,p2p", help="tcp (one raw connection), p2p (a stream per frame)")
     p.add_argument("--sizes", default=f"{DENSE_FRAME},1048576", help="frame sizes in bytes")
     p.add_argument("--streams", default="1,2,4", help="p2p: frames in flight (concurrent streams)")
+    p.add_argument(
+        "--splits",
+        default="1",
+        help="p2p: parts per frame, each written on its own stream at once (1: one stream per frame)",
+    )
     p.add_argument("--bytes", type=float, default=128e6, help="bytes per case; frames = max(4, bytes / size)")
     p.add_argument("--tcp-rtts", default="0,40", help="RTTs of the tcp kind (its ceiling)")
     p.add_argument(
@@ -475,12 +504,13 @@ def main(argv: list[str] | None = None) -> int:
                 pair = Pair(topo, kind, rtt / 2, _proxy_queue(a.proxy_queue, rate, rtt / 2))
                 try:
                     pair.start()
-                    for size, reply, streams, writes in _cases(a, kind):
+                    for size, reply, streams, writes, split in _cases(a, kind):
                         frames = max(4, round(a.bytes / size))
-                        r = pair.run_case(size, frames, streams, reply == "echo", _serial(writes))
+                        r = pair.run_case(size, frames, streams, reply == "echo", _serial(writes), split)
                         row = {
                             "label": a.label, "kind": kind, "rtt_ms": rtt, "size": size,
                             "frames": frames, "streams": streams, "reply": reply, "writes": writes,
+                            "split": split,
                             # each direction moves size x frames with echo replies
                             "mb_per_s": size * frames / r["seconds"] / 1e6,
                             "fill": size * frames / r["seconds"] / cap,
@@ -572,12 +602,16 @@ def plot(rows: list[dict], path: Path) -> Path:
     return path
 
 
+def _parts(r: dict) -> str:
+    return "" if r.get("split", 1) == 1 else f" x{r['split']} parts"
+
+
 def _line(r: dict) -> str:
     cpu = ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_cores"].items() if v >= 0.01)
     return (
         f"{r['label']:<10} {r['kind']:<4} {r['reply']:<4} {r['writes'][:3]} RTT {r['rtt_ms']:>3} ms  "
         f"{r['size'] / 1e6:>5.1f} MB x {r['frames']:<3} "
-        f"{r['streams']} in flight: {r['mb_per_s']:5.2f} MB/s = {r['fill']:4.0%} of the cap "
+        f"{r['streams']} in flight{_parts(r)}: {r['mb_per_s']:5.2f} MB/s = {r['fill']:4.0%} of the cap "
         f"({r['seconds']:.1f} s; ping {r['ping_ms']['median']}/{r['ping_ms']['max']} ms; "
         f"cores: {cpu}; load {os.getloadavg()[0]:.1f})"
     )
