@@ -561,7 +561,7 @@ def markdown_table(rows: list[dict]) -> str:
         ping = r.get("ping_ms") or {}
         out.append(
             f"| {r['label']} | {r['kind']} | {r.get('reply', 'ack')} | {r.get('writes', 'concurrent')} "
-            f"| {r['rtt_ms']} | {r['size'] / 1e6:.1f} | {r['streams']} | {r['mb_per_s']:.2f} "
+            f"| {r['rtt_ms']} | {r['size'] / 1e6:.1f} | {r['streams']}{_parts(r)} | {r['mb_per_s']:.2f} "
             f"| {r['fill']:.0%} | {r['wire_fill']:.0%} | {ping.get('median', '-')} / {ping.get('max', '-')} "
             f"| {cpu} | {r.get('loadavg_1m', '-')} |"
         )
@@ -578,7 +578,7 @@ def plot(rows: list[dict], path: Path) -> Path:
     dense = [r for r in rows if r["size"] == DENSE_FRAME]
     names = [
         f"{r['kind']} {r.get('reply', 'ack')} RTT {r['rtt_ms']}\n{r['label']}, "
-        + ("1 conn" if r["kind"] == "tcp" else f"{r['streams']} in flight, {r.get('writes', 'concurrent')}")
+        + ("1 conn" if r["kind"] == "tcp" else _flight(r))
         for r in dense
     ]
     colour = {"tcp": "grey", "concurrent": "tab:red", "serial": "tab:blue", "serial2": "tab:green"}
@@ -600,6 +600,10 @@ def plot(rows: list[dict], path: Path) -> Path:
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return path
+
+
+def _flight(r: dict) -> str:
+    return f"{r['streams']} in flight{_parts(r)}, {r.get('writes', 'concurrent')}"
 
 
 def _parts(r: dict) -> str:

@@ -1,8 +1,7 @@
 """One hop: choose a peer of the next stage, call it, retry once elsewhere, give up on peers that left.
 
-A hop is one libp2p stream (several for a big frame: node/parts.py): the FORWARD frame goes out
-and the BACKWARD frame for the same microbatch comes back once everything downstream has
-finished, or an ERROR frame. The reply's
+A hop is one libp2p stream: the FORWARD frame goes out and the BACKWARD frame for the same
+microbatch comes back once everything downstream has finished, or an ERROR frame. The reply's
 bytes are parsed in the compute thread (``parse``), never on the event loop.
 """
 
@@ -11,17 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import secrets
 import time
 import zlib
 from collections.abc import Callable
 
-from node import parts
 from node.context import StageContext
 from node.membership import read_stage_records
-from node.parts import PART_HANDLER
 from node.routing import choose_peer
-from node.rpc import open_stream
+from node.rpc import PeerUnreachable, open_stream
 from node.transport import close_quietly
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError
 from protocol.records import StageRecord
@@ -59,21 +55,6 @@ def gone_peers(watched: dict[str, int], routes: list[dict[str, StageRecord]]) ->
     return [p for p, st in watched.items() if 0 <= st < len(routes) and routes[st] and p not in routes[st]]
 
 
-async def _open_streams(p2p, peer: str, count: int, timeout: float) -> list:
-    """``count`` streams to ``peer`` at once (the first to the forward handler, the rest to the
-    part handler); if any fails to open, the others are closed and the hop fails."""
-    got = await asyncio.gather(
-        *(open_stream(p2p, peer, PART_HANDLER if i else HANDLER, timeout) for i in range(count)),
-        return_exceptions=True,
-    )
-    streams = [g for g in got if not isinstance(g, BaseException)]
-    if len(streams) < count:
-        for _, w in streams:
-            close_quietly(w)
-        raise HopFailed(str(next(g for g in got if isinstance(g, BaseException))))
-    return streams
-
-
 class HopClient:
     def __init__(self, ctx: StageContext, parse: Callable[[bytes], Frame]) -> None:
         self.ctx = ctx
@@ -105,22 +86,14 @@ class HopClient:
         opened: list[asyncio.StreamWriter] = []
 
         async def exchange() -> bytes:
-            count = parts.part_count(len(data))
-            token = secrets.token_bytes(parts.TOKEN_BYTES)
-            msgs = [data] if count == 1 else parts.split(data, token, count)
-            async with ctx.wire.bulk(peer):  # the streams open on our turn to write (node/wire.py)
-                streams = await _open_streams(ctx.p2p, peer, count, ctx.cfg.hop_timeout)
-                opened.extend(w for _, w in streams)
-                await asyncio.gather(*(ctx.wire.send(w, m, timeout) for (_, w), m in zip(streams, msgs)))
-            first = await ctx.wire.recv(streams[0][0], MAX_FRAME_BYTES, timeout)
-            head = parts.parse(first)
-            if head is None:  # a whole reply: the frame's own, or an error met before it
-                return first
-            rest = await asyncio.gather(*(ctx.wire.recv(r, MAX_FRAME_BYTES, timeout) for r, _ in streams[1:]))
-            got = [head] + [parts.parse(m) for m in rest]
-            if any(p is None for p in got):
-                raise FrameError("a reply in parts mixed with a whole one")
-            return parts.join(got, token, count)
+            async with ctx.wire.bulk(peer):  # the stream opens on our turn to write (node/wire.py)
+                try:
+                    reader, writer = await open_stream(ctx.p2p, peer, HANDLER, ctx.cfg.hop_timeout)
+                except PeerUnreachable as e:
+                    raise HopFailed(str(e)) from None
+                opened.append(writer)
+                await ctx.wire.send(writer, data, timeout)
+            return await ctx.wire.recv(reader, MAX_FRAME_BYTES, timeout)
 
         # A cut link resets nothing: the hop would hang until its deadline (minutes for a long
         # pipeline) with the head's in-flight slots stuck behind it. Once the peer's record
@@ -176,8 +149,7 @@ class HopClient:
                     raise last
                 raise HopFailed(f"no live peer serves stage {nxt}", retry=False)
             tried.add(peer)
-            sent = parts.wire_bytes(len(data), parts.part_count(len(data)), ctx.wire.overhead)
-            ctx.metrics.count_frame(ctx.index, "forward", sent, tokens)
+            ctx.metrics.count_frame(ctx.index, "forward", len(data) + ctx.wire.overhead, tokens)
             try:
                 reply = await self.call_peer(peer, data, ctx.index)
             except HopFailed as e:

@@ -37,7 +37,6 @@ from node.hop import HANDLER, HopClient
 from node.linkio import LinkIO
 from node.membership import store_stage_record
 from node.metrics import write_json_atomic
-from node.parts import PART_HANDLER
 from node.pipeline import Pipeline
 from node.rebalance import Rebalancer, choose_move, move_reason
 from node.scape import SCAPE_HANDLER, ScapeSync
@@ -217,7 +216,6 @@ class Lifecycle:
             await p2p.add_binary_stream_handler(SCAPE_HANDLER, self.scape.handle)
         if self.tied is not None:
             await p2p.add_binary_stream_handler(TIED_HANDLER, self.tied.handle)
-        await p2p.add_binary_stream_handler(PART_HANDLER, self.server.handle_part)
         await p2p.add_binary_stream_handler(HANDLER, self.server.handle_stream)
         raise_accept_backlog(p2p)  # before the first burst of streams, not at the first stream served
         await self.publish()
@@ -259,7 +257,7 @@ class Lifecycle:
         self.write_metrics()
         self.write_health(serving=False)
         # a node that moves registers its handlers again for the new stage, in this process
-        handlers = [HANDLER, PART_HANDLER]
+        handlers = [HANDLER]
         if self.move_to is not None:
             handlers += [WEIGHTS_HANDLER, ANCHOR_HANDLER, SCAPE_HANDLER, BASIS_HANDLER, TIED_HANDLER]
         for name in handlers:

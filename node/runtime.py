@@ -141,7 +141,6 @@ class StageRuntime(Lifecycle):
         # the entry points others call
         self.serve_forward = self.pipeline.serve_forward
         self.handle_stream = self.server.handle_stream
-        self.handle_part = self.server.handle_part
         self.head_loop = self.pipeline.head_loop
         self.run_microbatch = self.pipeline.run_microbatch
         self.refresh_routes = self.hops.refresh_routes

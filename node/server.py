@@ -22,14 +22,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from node import parts
 from node.bans import BanList
 from node.context import StageContext
 from node.hop import HopFailed
 from node.step import Busy
 from node.transport import close_quietly
 from node.wire import IDLE_S, Idle, Unauthorized, raise_accept_backlog, skip_message
-from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, MalformedFrame, encode_frame, error_frame
+from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, encode_frame, error_frame
 
 log = logging.getLogger("node")
 
@@ -58,7 +57,6 @@ class ForwardServer:
         self._per_peer: dict[str, int] = {}
         self._shed_logged: dict[str, float] = {}  # peer -> when its shedding was last logged
         self._backlog_checked = False
-        self.assemblies = parts.Assemblies(per_peer=MAX_STREAMS_PER_PEER)  # big frames in parts
 
     @property
     def bans(self) -> BanList:
@@ -134,7 +132,6 @@ class ForwardServer:
         peer = str(stream_info.peer_id)
         sealed = True
         served = False
-        assembly: parts.Assembly | None = None
         try:
             if self.bans.is_banned(peer):  # costs a banned peer's frames nothing but a closed stream
                 return
@@ -142,13 +139,6 @@ class ForwardServer:
                 data = await ctx.wire.recv(reader, MAX_FRAME_BYTES, ctx.cfg.hop_timeout, idle=IDLE_S)
                 if self.leaving:  # upstream retries it on another replica
                     raise Busy("this node is leaving the swarm; try another replica")
-                part = parts.parse(data)
-                if part is not None:  # a big frame: its other parts come on streams of their own
-                    if part.index:
-                        raise MalformedFrame(f"part {part.index} of a frame on the forward stream")
-                    assembly = self.assemblies.add(peer, part)
-                    await self._all_parts(assembly)
-                    data = assembly.data()
                 reply, out = await self.serve(data)
                 served = True
                 self.bans.record_good(peer)
@@ -174,7 +164,7 @@ class ForwardServer:
                 out = encode_frame(reply)
             if served:  # a BACKWARD frame takes its turn on the uplink (node/wire.py BULK_SLOTS)
                 async with ctx.wire.bulk(peer):
-                    sent = await self._send_reply(writer, out, assembly)
+                    sent = await ctx.wire.send(writer, out, ctx.cfg.hop_timeout, sealed=sealed)
             else:  # an error frame is small: it never waits behind the pipeline's frames
                 sent = await ctx.wire.send(writer, out, ctx.cfg.hop_timeout, sealed=sealed)
             if served:
@@ -184,63 +174,11 @@ class ForwardServer:
             log.debug("stream ended: %s", e)
         finally:
             close_quietly(writer)
-            if assembly is not None:  # its part streams close too
-                self.assemblies.close(peer, assembly)
         if served:  # the reply is out (or its sender gone): now this node may step
             try:
                 await self.after_reply()
             except Exception as e:  # a failed step must not escape into the transport's handler
                 log.warning("inner step failed: %s: %s", type(e).__name__, e)
-
-    async def _all_parts(self, assembly: parts.Assembly) -> None:
-        """Wait for a frame's other parts, written at the same time as part 0."""
-        try:
-            await asyncio.wait_for(assembly.complete.wait(), self.ctx.cfg.hop_timeout)
-        except asyncio.TimeoutError:
-            got, limit = len(assembly.parts), self.ctx.cfg.hop_timeout
-            raise Busy(f"{got} of {assembly.count} frame parts within {limit:g} s") from None
-
-    async def _send_reply(
-        self, writer: asyncio.StreamWriter, out: bytes, assembly: parts.Assembly | None
-    ) -> int:
-        """The BACKWARD frame, whole, or in parts on the streams its request's parts came on."""
-        timeout = self.ctx.cfg.hop_timeout
-        if assembly is None:
-            return await self.ctx.wire.send(writer, out, timeout)
-        msgs = parts.split(out, assembly.token, assembly.count)
-        writers = [writer] + [assembly.writers[i] for i in range(1, assembly.count)]
-        sent = await asyncio.gather(*(self.ctx.wire.send(w, m, timeout) for w, m in zip(writers, msgs)))
-        return sum(sent)
-
-    async def handle_part(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        """Parts 1.. of a big frame (node/parts.py): kept for the forward stream's handler, which
-        joins them, serves the frame, and writes this stream's part of the reply."""
-        ctx = self.ctx
-        peer = str(stream_info.peer_id)
-        try:
-            if self.bans.is_banned(peer) or self.leaving:
-                return
-            msg = await ctx.wire.recv(reader, MAX_FRAME_BYTES, ctx.cfg.hop_timeout, idle=IDLE_S)
-            part = parts.parse(msg)
-            if part is None or part.index == 0:
-                raise MalformedFrame("a part stream carries parts 1.. of a frame in parts")
-            assembly = self.assemblies.add(peer, part, writer)
-            try:  # part 0 is written at the same time; the reply may take every stage downstream
-                await asyncio.wait_for(assembly.claimed.wait(), ctx.cfg.hop_timeout)
-                await asyncio.wait_for(assembly.done.wait(), ctx.cfg.hop_timeout * ctx.n_stages)
-            except asyncio.TimeoutError:
-                log.info("frame parts from %s left unanswered; closing them", peer[:12])
-            finally:
-                self.assemblies.close(peer, assembly)
-        except FrameError as e:
-            ctx.metrics.rejected_frames += 1
-            if self.bans.record_bad(peer):
-                log.warning("banning %s for repeated invalid frames (last: %s)", peer[:12], e)
-            log.info("rejected a frame part from %s: %s", peer[:12], e)
-        except Exception as e:  # the requester went away
-            log.debug("part stream ended: %s", e)
-        finally:
-            close_quietly(writer)
 
 
 def _error(run_id: str, code: str, message: str) -> Frame:
