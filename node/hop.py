@@ -14,6 +14,7 @@ import time
 import zlib
 from collections.abc import Callable
 
+from node.alive import answers
 from node.context import StageContext
 from node.membership import read_stage_records
 from node.routing import choose_peer
@@ -63,6 +64,8 @@ class HopClient:
         # peers we have hops in flight to -> (their stage, an event set when their record leaves
         # the DHT; see call_peer)
         self._gone: dict[str, tuple[int, asyncio.Event]] = {}
+        # peer -> (the expiry it was asked about, the answer): one question per expiry
+        self._asked: dict[str, tuple[asyncio.Event, asyncio.Future]] = {}
 
     def deadline(self, boundary: int) -> float:
         # the reply needs every remaining stage's compute, so the deadline grows with the hops ahead
@@ -97,18 +100,26 @@ class HopClient:
 
         # A cut link resets nothing: the hop would hang until its deadline (minutes for a long
         # pipeline) with the head's in-flight slots stuck behind it. Once the peer's record
-        # expires from the DHT (it cannot heartbeat), give the hop up and retry elsewhere.
-        _, gone = self._gone.setdefault(peer, (boundary + 1, asyncio.Event()))
-        io, left = asyncio.ensure_future(exchange()), asyncio.ensure_future(gone.wait())
+        # expires from the DHT (it cannot heartbeat), ask it directly (node/alive.py); if it does
+        # not answer, give the hop up and retry elsewhere. A busy peer answers, and the hop goes on.
+        io = asyncio.ensure_future(exchange())
+        left: asyncio.Future | None = None
         try:
-            await asyncio.wait({io, left}, return_when=asyncio.FIRST_COMPLETED)
-            if not io.done():  # cancelled below
-                raise HopFailed(f"{peer[:12]} left the swarm mid-hop (its record expired)")
+            while True:
+                _, gone = self._gone.setdefault(peer, (boundary + 1, asyncio.Event()))
+                left = asyncio.ensure_future(gone.wait())
+                await asyncio.wait({io, left}, return_when=asyncio.FIRST_COMPLETED)
+                left.cancel()
+                if io.done():
+                    break
+                if not await self._still_there(peer, gone):  # the hop is cancelled below
+                    raise HopFailed(f"{peer[:12]} left the swarm mid-hop (its record expired, no answer)")
             reply = io.result()
         except (asyncio.TimeoutError, ConnectionError, OSError, FrameError) as e:
             raise HopFailed(f"{peer[:12]} did not answer: {type(e).__name__} {e}") from None
         finally:
-            left.cancel()
+            if left is not None:
+                left.cancel()
             io.cancel()
             for writer in opened:
                 close_quietly(writer)
@@ -124,6 +135,20 @@ class HopClient:
         if frame.kind != "backward":
             raise HopFailed(f"{peer[:12]} answered with a {frame.kind} frame")
         return frame
+
+    async def _still_there(self, peer: str, gone: asyncio.Event) -> bool:
+        """Whether ``peer``, whose record expired (``gone`` was set), answers. Every hop in flight
+        to it shares one question per expiry, so a burst of hops sends one probe."""
+        asked = self._asked.get(peer)
+        first = asked is None or asked[0] is not gone
+        if first:
+            asked = self._asked[peer] = (gone, asyncio.ensure_future(answers(self.ctx.p2p, peer)))
+        alive = await asyncio.shield(asked[1])
+        if alive:
+            self.ctx.metrics.expired_but_alive += 1
+            if first:
+                log.info("%s: its record expired, but it answers; its hops go on", peer[:12])
+        return alive
 
     async def send_downstream(self, data: bytes, microbatch: int, tokens: int) -> Frame:
         """Send FORWARD frame bytes to a peer of the next stage; retry once through another peer

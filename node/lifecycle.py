@@ -21,6 +21,7 @@ import signal
 import time
 
 from compression.spectral import SpectralFilter
+from node.alive import ALIVE_HANDLER, handle_alive
 from node.anchors import (
     ANCHOR_HANDLER,
     WEIGHTS_HANDLER,
@@ -216,6 +217,7 @@ class Lifecycle:
             await p2p.add_binary_stream_handler(SCAPE_HANDLER, self.scape.handle)
         if self.tied is not None:
             await p2p.add_binary_stream_handler(TIED_HANDLER, self.tied.handle)
+        await p2p.add_binary_stream_handler(ALIVE_HANDLER, handle_alive)
         await p2p.add_binary_stream_handler(HANDLER, self.server.handle_stream)
         raise_accept_backlog(p2p)  # before the first burst of streams, not at the first stream served
         await self.publish()
@@ -257,7 +259,7 @@ class Lifecycle:
         self.write_metrics()
         self.write_health(serving=False)
         # a node that moves registers its handlers again for the new stage, in this process
-        handlers = [HANDLER]
+        handlers = [HANDLER, ALIVE_HANDLER]
         if self.move_to is not None:
             handlers += [WEIGHTS_HANDLER, ANCHOR_HANDLER, SCAPE_HANDLER, BASIS_HANDLER, TIED_HANDLER]
         for name in handlers:

@@ -33,6 +33,7 @@ class Metrics:
         self.rejected_frames = 0
         self.shed_streams = 0  # streams over a peer's concurrency bound, answered busy unread
         self.idle_streams = 0  # request streams closed for sending nothing within the idle deadline
+        self.expired_but_alive = 0  # hops whose peer's record expired mid-hop, but which answered
         self.refused_messages = 0  # scape/anchor messages refused (not of this stage's peers, steps, bounds)
         self.skipped_steps = 0
         self.filter_s = 0.0

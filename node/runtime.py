@@ -183,6 +183,7 @@ class StageRuntime(Lifecycle):
             "anchor_packets_stale": self.packet_sink.dropped_stale if self.packet_sink else 0,
             "anchor_packets_refused": self.packet_sink.refused if self.packet_sink else 0,
             "shed_streams": m.shed_streams,  # over the per-peer stream bound: answered busy
+            "expired_but_alive": m.expired_but_alive,  # a hop's peer lost its record, yet answered
             "idle_streams": m.idle_streams,  # sent nothing within the idle deadline
             "refused_messages": m.refused_messages,  # SCAPE frames refused (stranger, window, budget)
             "filter_s": m.filter_s,
