@@ -33,18 +33,21 @@ async def handle_alive(_info, _reader: asyncio.StreamReader, writer: asyncio.Str
 
 
 async def answers(p2p, peer: str, timeout: float | None = None) -> bool:
-    """True if ``peer`` answers on a new stream within ``timeout`` seconds (``ANSWER_S``)."""
+    """True if ``peer`` answers on a new stream within ``timeout`` seconds (``ANSWER_S``), opening
+    the stream included: a cut link may hang in either."""
     timeout = ANSWER_S if timeout is None else timeout
-    try:
+
+    async def ask() -> bool:
         reader, writer = await open_stream(p2p, peer, ALIVE_HANDLER, timeout)
-    except ConnectionError:
-        return False
+        try:
+            return await reader.read(1) == _YES
+        finally:
+            close_quietly(writer)
+
     try:
-        return await asyncio.wait_for(reader.read(1), timeout) == _YES
-    except Exception:  # the deadline, a reset
+        return await asyncio.wait_for(ask(), timeout)
+    except Exception:  # the deadline, no such handler, a reset
         return False
-    finally:
-        close_quietly(writer)
 
 
 __all__ = ["ALIVE_HANDLER", "ANSWER_S", "answers", "handle_alive"]
