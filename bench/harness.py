@@ -662,6 +662,7 @@ def run_one(a, v: Variant, topo: Topology, out: Path, data: Path, command: str) 
         "seconds": round(s["window_s"], 1),
         "window_tokens": s["window_tokens"],
         "dropped_microbatches": rep["dropped_microbatches"],
+        "expired_but_alive": rep.get("expired_but_alive", 0),
         # CPU cores the swarm's processes (nodes, DHT processes, p2pd) used during the window
         "swarm_cpu_cores": _cores(cpu),
         # each node's namespace (node, its DHT process, its p2pd; not its delay proxy), in cores

@@ -136,6 +136,8 @@ def build_report(metrics: list[dict], n_stages: int, **extra) -> dict:
         "anchor_links": sum_links(anchors),  # the anchors' own dense pipeline
         "stages": dict(sorted(stages.items())),
         "dropped_microbatches": sum(m["dropped_microbatches"] for m in metrics),
+        # hops whose peer's stage record expired mid-hop but which answered, so went on (node/alive.py)
+        "expired_but_alive": sum(m.get("expired_but_alive", 0) for m in metrics),
         # one-time cost of basis codecs: every basis download that crossed the network
         "basis_bytes": sum(m.get("basis_bytes_fetched", 0) for m in metrics),
         # anchor circuit: gradient packets sent to fast peers, and weight pulls from them
