@@ -23,7 +23,11 @@ from protocol.frames import FrameTooLarge, MalformedFrame
 
 log = logging.getLogger("node")
 
-IDLE_S = 5.0  # a handler closes a request stream that sent nothing for this long
+# a handler closes a request stream that sent nothing for this long. Not shorter: behind
+# saturated links a stream's flow-control window can stay shut for seconds while its window
+# update waits behind the frames going the other way (harness, dense with 16 in flight: 3
+# frames cut at 5 s and sent again; linkprobe: small messages wait up to 2 s)
+IDLE_S = 15.0
 _CHUNK = 1 << 20
 # pending connections the handler socket queues: p2pd opens one per incoming stream, and
 # hivemind listens with asyncio's default of 100, so a burst of streams past it was reset
