@@ -98,10 +98,11 @@ class Lifecycle:
             maddrs=self.maddrs,
         )
 
-    async def publish(self, ready: bool = True, timeout: float | None = None) -> None:
-        """Our stage record: ready peers get routed to; a leaving node publishes ready=False first."""
+    async def publish(self, ready: bool = True, timeout: float | None = None) -> bool:
+        """Our stage record: ready peers get routed to; a leaving node publishes ready=False first.
+        False when no DHT peer took it."""
         ctx = self.ctx
-        await store_stage_record(
+        return await store_stage_record(
             ctx.dht,
             ctx.run.run_id,
             ctx.index,
@@ -112,11 +113,20 @@ class Lifecycle:
 
     async def heartbeat_loop(self) -> None:
         ctx = self.ctx
+        unstored = 0  # beats in a row whose record no DHT peer took: routing cannot see us
         while not ctx.stop.is_set():
             try:
-                await self.publish()
+                stored = await self.publish()
             except Exception as e:
                 log.info("heartbeat failed: %s", e)
+                stored = False
+            unstored = 0 if stored else unstored + 1
+            if unstored == STAGE_RECORD_BEATS:  # once per outage: our record has expired by now
+                log.warning(
+                    "our stage record was not stored for %d heartbeats: no DHT peer took it, so no "
+                    "peer routes work to this node until one does",
+                    unstored,
+                )
             await self.hops.refresh_routes()
             await self.maybe_move()
             if self.linkio.bases is not None:
