@@ -50,6 +50,7 @@ from compression.pca import PcaCodec, fit_basis, fit_joint_basis
 from compression.prf import mask_seed
 from compression.registry import make_codec
 from compression.spectral import SpectralFilter, filter_gradients, is_target_matrix
+from compression.tiered import TieredCodec, fit_rotation
 from node.data import Example, arithmetic_example, collate, frame_full, ordering_example, tokenize
 from node.model import load_model
 from node.stages import IGNORE_INDEX, Stage, build_stage
@@ -222,6 +223,10 @@ VARIANTS: dict[str, Variant] = {
             "lowrank",
             {"k": 64, "k_backward": 128, "backward_bits": 4, "basis_dtype": "int8", "basis_block": 32},
         ),
+        # a fixed full rotation per direction (activations: median-centred; gradients: their own),
+        # the top directions of each frame coded at 8 / 4 / 2 bits (compression/tiered.py): 110 B of
+        # codes per token, no per-frame basis
+        Variant("tiered24-88-128", "tiered", {"tiers": ((24, 8), (88, 4), (128, 2))}),
         # a basis held by both ends of the link, updated by the sender (compression/linkbasis.py):
         # up to r new directions when the captured energy of recent frames drops below 0.99
         Variant("linkbasis64r8", "linkbasis", {"k": 64, "rank": 8}),
@@ -573,12 +578,19 @@ def build_codec(variant: Variant) -> LinkCodec:
 def calibrated(codec: LinkCodec) -> bool:
     """Codecs holding per-boundary state fitted from the dense model (a PCA basis, including
     pcamask's pool, or outliermask's channel set), published once and named by version."""
-    return isinstance(codec, (PcaCodec, OutlierMaskCodec))
+    return isinstance(codec, (PcaCodec, OutlierMaskCodec, TieredCodec))
+
+
+def needs_grads(codec: LinkCodec) -> bool:
+    """Calibration must also take the boundary gradients of the answer loss."""
+    return bool(getattr(codec, "grad_k", 0)) or isinstance(codec, (PcaTwoBases, TieredCodec))
 
 
 def fit_boundary(codec: LinkCodec, acts: torch.Tensor, grads: torch.Tensor | None, version: int) -> None:
     """Install one boundary's fitted state from its calibration activations (and gradients)."""
-    if isinstance(codec, OutlierMaskCodec):
+    if isinstance(codec, TieredCodec):
+        codec.set_rotations(fit_rotation(acts, centre=True), fit_rotation(grads, centre=False), version)
+    elif isinstance(codec, OutlierMaskCodec):
         codec.set_channels(fit_outlier_channels(acts, codec.n_outlier), acts.shape[-1], version)
     elif isinstance(codec, PcaTwoBases):
         codec.set_basis(*fit_basis(acts, codec.k), version)
@@ -593,7 +605,7 @@ def calibrate(pipe: Pipeline, codecs: list[Metered], calib: list[Example], tok, 
     """Fit each boundary's codec state (``fit_boundary``) from the dense model's activations on
     task examples (and, for ``grad_k`` > 0, the gradients of the answer loss at each boundary)."""
     t = time.perf_counter()
-    grad_k = getattr(codecs[0].inner, "grad_k", 0) or isinstance(codecs[0].inner, PcaTwoBases)
+    grad_k = needs_grads(codecs[0].inner)
     acts: list[list[torch.Tensor]] = [[] for _ in codecs]
     grads: list[list[torch.Tensor]] = [[] for _ in codecs]
 
@@ -813,6 +825,8 @@ def run(
         d: sum(c.bytes[d] for c in meters) / max(sum(c.tokens[d] for c in meters), 1) for d in ("fwd", "bwd")
     }
     basis_bytes = codecs[0].inner.basis_nbytes(HIDDEN) * (basis_version + 1) if is_pca else 0
+    if isinstance(codecs[0].inner, TieredCodec):  # one rotation per direction; bytes are per direction
+        basis_bytes = codecs[0].inner.rotation_nbytes(HIDDEN) * (basis_version + 1)
     basis_bpt = basis_bytes / max(wire_tokens, 1)
     link_basis = None
     if link_stats is not None:

@@ -73,6 +73,12 @@ def _linkbasis(**kw) -> LinkCodec:
     return LinkBasisCodec(**kw)
 
 
+def _tiered(**kw) -> LinkCodec:
+    from compression.tiered import TieredCodec
+
+    return TieredCodec(**kw)
+
+
 CODECS: dict[str, Callable[..., LinkCodec]] = {
     "dense": DenseCodec,
     "mask": _mask,
@@ -86,6 +92,7 @@ CODECS: dict[str, Callable[..., LinkCodec]] = {
     "subspace": _subspace,
     "lowrank": _lowrank,
     "linkbasis": _linkbasis,
+    "tiered": _tiered,
 }
 
 
