@@ -23,6 +23,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from compression.codec import Payload
 from compression.pca import fit_basis
+from compression.tiered import fit_rotation
 from node.membership import dht_call
 from node.rpc import request
 from node.transport import close_quietly
@@ -42,8 +43,10 @@ class BasisUnavailable(RuntimeError):
 
 
 def digest(payload: Payload) -> str:
+    """Of every tensor, by name: a PCA basis (mean, V, version) or tiered rotations alike."""
     h = hashlib.blake2b(digest_size=16)
-    for name in ("mean", "V", "version"):
+    for name in sorted(payload):
+        h.update(name.encode())
         h.update(payload[name].contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
@@ -53,6 +56,17 @@ def real_tokens(ids: torch.Tensor, pad_id: int) -> torch.Tensor:
     pos = torch.arange(ids.shape[1]).expand_as(ids)
     last = torch.where(ids != pad_id, pos, torch.zeros_like(pos)).max(dim=1, keepdim=True).values
     return pos <= last + 1
+
+
+def _calibration_batches(batches, pad_id: int, max_tokens: int) -> list[tuple]:
+    """(ids, labels, real-token mask) of the first batches holding ``max_tokens`` real tokens."""
+    out, seen = [], 0
+    for ids, labels in batches:
+        out.append((ids, labels, real_tokens(ids, pad_id)))
+        seen += int(out[-1][2].sum())
+        if seen >= max_tokens:
+            break
+    return out
 
 
 @torch.no_grad()
@@ -65,20 +79,60 @@ def calibrate_stagewise(
     every calibration batch, its outputs kept as the next stage's inputs, and dropped before the
     next is loaded. The last stage is never loaded: no boundary follows it.
     """
-    inputs, masks, seen = [], [], 0
-    for ids, _labels in batches:
-        inputs.append(ids)
-        masks.append(real_tokens(ids, pad_id))
-        seen += int(masks[-1].sum())
-        if seen >= max_tokens:
-            break
+    cal = _calibration_batches(batches, pad_id, max_tokens)
+    inputs, masks = [ids for ids, _, _ in cal], [m for _, _, m in cal]
     fitted = []
     for b in range(len(ranges) - 1):
         stage = load_stage(b)
         inputs = [stage(x) for x in inputs]
         del stage
-        fitted.append(fit_basis(torch.cat([h[m].float() for h, m in zip(inputs, masks)]), k))
+        fitted.append(fit_basis(_real_rows(inputs, masks), k))
     return fitted
+
+
+def calibrate_rotations_stagewise(
+    load_stage, ranges: list[list[int]], batches, pad_id: int, max_tokens: int = 8192
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(forward, backward) rotations of every boundary (``compression.tiered.fit_rotation``): of the
+    activations, median-centred, and of the gradients of the causal LM loss, over the real tokens.
+
+    One stage in memory at a time, as ``calibrate_stagewise``: stages 0..n-2 forward, keeping
+    each boundary's activations; then n-1 down to 1 backward, each recomputing its forward from
+    the kept input and passing the gradient of that input down. 2n-2 stage loads; the kept
+    activations and gradients are (n-1) x max_tokens x H floats.
+    """
+    cal = _calibration_batches(batches, pad_id, max_tokens)
+    acts: list[list[torch.Tensor]] = []
+    with torch.no_grad():
+        h = [ids for ids, _, _ in cal]
+        for b in range(len(ranges) - 1):
+            stage = load_stage(b)
+            h = [stage(x) for x in h]
+            del stage
+            acts.append(h)
+    grads: list[list[torch.Tensor]] = [[] for _ in acts]
+    upstream: list[torch.Tensor] | None = None
+    for b in range(len(ranges) - 1, 0, -1):
+        stage = load_stage(b)
+        stage.requires_grad_(False)  # only the input's gradient is wanted
+        for i, (_, labels, _) in enumerate(cal):
+            x = acts[b - 1][i].detach().requires_grad_(True)
+            if upstream is None:  # the tail: the training loss itself
+                stage.loss(x, labels)[0].backward()
+            else:
+                stage(x).backward(upstream[i])
+            grads[b - 1].append(x.grad.detach())
+        upstream = grads[b - 1]
+        del stage
+    masks = [m for _, _, m in cal]
+    return [
+        (fit_rotation(_real_rows(a, masks), centre=True), fit_rotation(_real_rows(g, masks), centre=False))
+        for a, g in zip(acts, grads)
+    ]
+
+
+def _real_rows(tensors: list[torch.Tensor], masks: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t[m].float() for t, m in zip(tensors, masks)])
 
 
 class BasisStore:

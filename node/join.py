@@ -14,7 +14,13 @@ import zlib
 
 import torch
 
-from node.basis import BASIS_VERSION, BasisStore, BasisUnavailable, calibrate_stagewise
+from node.basis import (
+    BASIS_VERSION,
+    BasisStore,
+    BasisUnavailable,
+    calibrate_rotations_stagewise,
+    calibrate_stagewise,
+)
 from node.checkpoint import newest_for_run
 from node.config import NodeConfig, run_parts
 from node.data import ByteTokenizer, as_plain_text, load_examples, microbatches
@@ -79,8 +85,9 @@ def load_run_model(cfg: NodeConfig, run: RunRecord | None) -> ModelSource:
 
 
 def needs_basis(run: RunRecord) -> bool:
-    """Codecs with a fitted basis of ``k`` directions (pcamask: its pool) calibrated at run start."""
-    return run.codec.get("codec") in ("pca", "pcamask")
+    """Codecs with fitted state calibrated at run start: a basis of ``k`` directions (pca; pcamask's
+    pool), or the tiered codec's two rotations."""
+    return run.codec.get("codec") in ("pca", "pcamask", "tiered")
 
 
 def calibrate_bases(cfg: NodeConfig, run: RunRecord, source: ModelSource, tok, stop: StopRequest) -> list:
@@ -98,19 +105,22 @@ def calibrate_bases(cfg: NodeConfig, run: RunRecord, source: ModelSource, tok, s
         stop.check()  # calibrating a big model takes minutes: a stop request waits one stage at most
         return source.load_stage(run.stages, i, torch.device("cpu"), torch.float32)
 
-    fitted = calibrate_stagewise(
-        load,
-        run.stages,
-        batches,
-        k=run.codec["k"],
-        pad_id=tok.eos_token_id or 0,
-        max_tokens=cfg.calibration_tokens,
-    )
+    pad = tok.eos_token_id or 0
     payloads = []
-    for mean, v in fitted:
-        codec = build_codec(run.codec)
-        codec.set_basis(mean, v, BASIS_VERSION)
-        payloads.append(codec.basis_payload())
+    if run.codec.get("codec") == "tiered":  # a rotation of the activations and one of the gradients
+        for r_fwd, r_bwd in calibrate_rotations_stagewise(
+            load, run.stages, batches, pad_id=pad, max_tokens=cfg.calibration_tokens
+        ):
+            codec = build_codec(run.codec)
+            codec.set_rotations(r_fwd, r_bwd, BASIS_VERSION)
+            payloads.append(codec.basis_payload())
+    else:
+        for mean, v in calibrate_stagewise(
+            load, run.stages, batches, k=run.codec["k"], pad_id=pad, max_tokens=cfg.calibration_tokens
+        ):
+            codec = build_codec(run.codec)
+            codec.set_basis(mean, v, BASIS_VERSION)
+            payloads.append(codec.basis_payload())
     log.info("bases ready in %.1fs", time.monotonic() - t0)
     return payloads
 

@@ -66,3 +66,43 @@ def test_one_stage_in_memory_at_a_time_and_the_last_never_loaded(tmp_path):
 
     calibrate_stagewise(load, RANGES, _batches(), k=4, pad_id=PAD)
     assert loaded == [0, 1]
+
+
+def test_stagewise_rotations_equal_the_whole_models_activations_and_gradients(tmp_path):
+    """The tiered codec's rotations, fitted one stage at a time (forward, then backward from the
+    tail), against transformers' whole model: its hidden states and autograd's gradients of its
+    own loss at each boundary."""
+    from compression.tiered import fit_rotation
+    from node.basis import calibrate_rotations_stagewise
+
+    path = _save("llama-tied", tmp_path / "ckpt")
+    source = open_model(str(path))
+    loaded: list[int] = []
+
+    def load(i: int):
+        loaded.append(i)
+        return source.load_stage(RANGES, i, torch.device("cpu"), torch.float32)
+
+    got = calibrate_rotations_stagewise(load, RANGES, _batches(), pad_id=PAD)
+    assert loaded == [0, 1, 2, 1]  # forward 0..n-2, backward n-1..1: one stage at a time
+    whole = _whole(path).train()
+    acts: list[list[torch.Tensor]] = [[] for _ in got]
+    grads: list[list[torch.Tensor]] = [[] for _ in got]
+    for ids, labels in _batches():
+        out = whole(input_ids=ids, labels=labels, output_hidden_states=True)
+        hs = [out.hidden_states[RANGES[b][1]] for b in range(len(got))]
+        for h in hs:
+            h.retain_grad()
+        out.loss.backward()
+        keep = real_tokens(ids, PAD)
+        for b, h in enumerate(hs):
+            acts[b].append(h.detach()[keep])
+            grads[b].append(h.grad[keep])
+    for b, (r_fwd, r_bwd) in enumerate(got):
+        for r, want in (
+            (r_fwd, fit_rotation(torch.cat(acts[b]), centre=True)),
+            (r_bwd, fit_rotation(torch.cat(grads[b]), centre=False)),
+        ):
+            # the same top directions (projectors: robust to the order of near-equal eigenvalues)
+            p, q = r[:4].T @ r[:4], want[:4].T @ want[:4]
+            assert (p - q).abs().max() <= 1e-3, b
