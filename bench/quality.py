@@ -227,6 +227,20 @@ VARIANTS: dict[str, Variant] = {
         # the top directions of each frame coded at 8 / 4 / 2 bits (compression/tiered.py): 110 B of
         # codes per token, no per-frame basis
         Variant("tiered24-88-128", "tiered", {"tiers": ((24, 8), (88, 4), (128, 2))}),
+        # the per-frame basis with k = 112 directions in two tiers (24 at 8 bits, 88 at 4, each
+        # direction scaled by its RMS first) in both directions, and the forward centred by the
+        # median: the same 110 B/token as lowrank80i8b8k32 at 2048-token frames
+        Variant(
+            "lowrankt24-88m",
+            "lowrank",
+            {
+                "tiers": ((24, 8), (88, 4)),
+                "backward_tiers": ((24, 8), (88, 4)),
+                "centre": "median",
+                "basis_dtype": "int8",
+                "basis_block": 32,
+            },
+        ),
         # a basis held by both ends of the link, updated by the sender (compression/linkbasis.py):
         # up to r new directions when the captured energy of recent frames drops below 0.99
         Variant("linkbasis64r8", "linkbasis", {"k": 64, "rank": 8}),

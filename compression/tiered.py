@@ -93,6 +93,85 @@ def unpack_int2(packed: torch.Tensor, n: int) -> torch.Tensor:
     return u.reshape(p.shape[0], -1)[:, :n]
 
 
+def tiers_fit(tiers, k: int) -> list[Tier]:
+    """``tiers`` cut to at most ``k`` directions in all (a narrow model keeps fewer)."""
+    out, left = [], k
+    for n, b in tiers:
+        if left <= 0:
+            break
+        out.append((min(int(n), left), int(b)))
+        left -= int(n)
+    return out
+
+
+def check_tiers(tiers) -> tuple[Tier, ...]:
+    out = tuple((int(n), int(b)) for n, b in tiers)
+    if not out or any(n < 1 or b not in BITS for n, b in out):
+        raise ValueError(f"tiers must be (directions >= 1, bits in {BITS}) pairs, got {tiers!r}")
+    return out
+
+
+def encode_tiers(c: torch.Tensor, tiers: list[Tier], block: int) -> Payload:
+    """Coefficients c (T, n), columns by falling energy, coded tier by tier (see the module
+    docstring): ``cs`` each column's RMS (bf16), then per tier i codes ``q{i}`` and scales ``s{i}``."""
+    cs = c.pow(2).mean(dim=0).sqrt().to(torch.bfloat16)  # rounded as sent
+    csf = cs.float()
+    z = c / torch.where(csf > 0, csf, 1.0)
+    out: Payload = {"cs": cs}
+    start = 0
+    for i, (m, bits) in enumerate(tiers):
+        zt = z[:, start : start + m]
+        start += m
+        if bits == 2:
+            sig = zt.pow(2).mean(dim=1, keepdim=True).sqrt().to(torch.bfloat16)
+            step = sig.float() * _DELTA2
+            u = torch.floor(zt / torch.where(step > 0, step, 1.0)).clamp(-2, 1) + 2
+            out[f"q{i}"], out[f"s{i}"] = pack_int2(u), sig
+        else:
+            q, s = quantize_blockwise(zt, block, bits, torch.bfloat16)
+            out[f"q{i}"], out[f"s{i}"] = (pack_int4(q) if bits == 4 else q), s
+    return out
+
+
+def decode_tiers(p: Payload, tiers: list[Tier], block: int) -> torch.Tensor:
+    """Inverse of ``encode_tiers``: (T, n) fp32; refuses scales or codes of the wrong shape."""
+    n = sum(m for m, _ in tiers)
+    cs = p["cs"].float()
+    if cs.shape != (n,):
+        raise ValueError(f"frame carries {tuple(cs.shape)} direction scales, the tiers keep {n}")
+    if not torch.isfinite(cs).all() or float(cs.min()) < 0:
+        raise ValueError("frame has a negative or non-finite direction scale")
+    parts = []
+    for i, (m, bits) in enumerate(tiers):
+        q, s = p[f"q{i}"], p[f"s{i}"]
+        if bits == 2:
+            u = unpack_int2(q, m)
+            if s.shape != (u.shape[0], 1):
+                raise ValueError(f"2-bit tier scales have shape {tuple(s.shape)}, expected ({u.shape[0]}, 1)")
+            parts.append((u.float() - 1.5) * (s.float() * _DELTA2))
+        else:
+            q = unpack_int4(q, m) if bits == 4 else q
+            if q.dim() != 2 or q.shape[1] != m:
+                raise ValueError(f"tier {i} carries {tuple(q.shape)} codes, expected {m} directions")
+            parts.append(dequantize_blockwise(q, s, block))
+    rows = {t.shape[0] for t in parts}
+    if len(rows) != 1:
+        raise ValueError("tiers of one frame carry different numbers of tokens")
+    return torch.cat(parts, dim=1) * cs
+
+
+def tier_bytes_per_token(tiers: list[Tier], block: int) -> float:
+    """Codes and per-token scales of ``encode_tiers``, per token (``cs`` is per frame: 2n)."""
+    return float(sum(math.ceil(m * b / 8) + 2 * (1 if b == 2 else math.ceil(m / block)) for m, b in tiers))
+
+
+def tier_dtypes(tiers: list[Tier]) -> dict[str, torch.dtype]:
+    d = {"cs": torch.bfloat16}
+    for i, (_, bits) in enumerate(tiers):
+        d[f"q{i}"], d[f"s{i}"] = (torch.int8 if bits == 8 else torch.uint8), torch.bfloat16
+    return d
+
+
 class TieredCodec(VersionedState, LinkCodec):
     """Fixed full rotations (one per direction), per-frame tiers by energy; see the module docstring."""
 
@@ -105,8 +184,8 @@ class TieredCodec(VersionedState, LinkCodec):
         backward_tiers: tuple[Tier, ...] | list | None = None,
         block: int = 32,
     ):
-        self.tiers = self._check_tiers(tiers)
-        self.backward_tiers = self._check_tiers(backward_tiers) if backward_tiers else self.tiers
+        self.tiers = check_tiers(tiers)
+        self.backward_tiers = check_tiers(backward_tiers) if backward_tiers else self.tiers
         if block < 1:
             raise ValueError(f"block must be >= 1, got {block}")
         self.block = int(block)
@@ -114,22 +193,8 @@ class TieredCodec(VersionedState, LinkCodec):
         self._order: list[int] = []
         self._pub: dict[int, tuple] = {}  # version -> the rotations as published
 
-    @staticmethod
-    def _check_tiers(tiers) -> tuple[Tier, ...]:
-        out = tuple((int(n), int(b)) for n, b in tiers)
-        if not out or any(n < 1 or b not in BITS for n, b in out):
-            raise ValueError(f"tiers must be (directions >= 1, bits in {BITS}) pairs, got {tiers!r}")
-        return out
-
     def _tiers(self, direction: str, hidden: int) -> list[Tier]:
-        """The tiers as they fit in H directions (a small model keeps fewer)."""
-        out, left = [], hidden
-        for n, b in self.tiers if direction == "forward" else self.backward_tiers:
-            if left <= 0:
-                break
-            out.append((min(n, left), b))
-            left -= n
-        return out
+        return tiers_fit(self.tiers if direction == "forward" else self.backward_tiers, hidden)
 
     # ---- rotations ----------------------------------------------------------------------------
 
@@ -209,51 +274,19 @@ class TieredCodec(VersionedState, LinkCodec):
         tiers = self._tiers(direction, r.shape[0])
         n = sum(t for t, _ in tiers)
         idx = c.pow(2).mean(dim=0).argsort(descending=True)[:n]
-        cs = c[:, idx].pow(2).mean(dim=0).sqrt().to(torch.bfloat16)  # rounded as sent
-        csf = cs.float()
-        z = c[:, idx] / torch.where(csf > 0, csf, 1.0)
-        out: Payload = {"idx": idx.to(torch.int16), "cs": cs}
-        start = 0
-        for i, (m, bits) in enumerate(tiers):
-            zt = z[:, start : start + m]
-            start += m
-            if bits == 2:
-                sig = zt.pow(2).mean(dim=1, keepdim=True).sqrt().to(torch.bfloat16)
-                step = sig.float() * _DELTA2
-                u = torch.floor(zt / torch.where(step > 0, step, 1.0)).clamp(-2, 1) + 2
-                out[f"q{i}"], out[f"s{i}"] = pack_int2(u), sig
-            else:
-                q, s = quantize_blockwise(zt, self.block, bits, torch.bfloat16)
-                out[f"q{i}"], out[f"s{i}"] = (pack_int4(q) if bits == 4 else q), s
+        out: Payload = {"idx": idx.to(torch.int16)}
+        out.update(encode_tiers(c[:, idx], tiers, self.block))
         return out
 
     def _decode(self, p: Payload, r: torch.Tensor, direction: str) -> torch.Tensor:
         tiers = self._tiers(direction, r.shape[0])
         n = sum(t for t, _ in tiers)
-        idx, cs = p["idx"].to(torch.int64), p["cs"].float()
-        if idx.shape != (n,) or cs.shape != (n,):
+        idx = p["idx"].to(torch.int64)
+        if idx.shape != (n,):
             raise ValueError(f"tiered frame names {tuple(idx.shape)} directions, the tiers keep {n}")
         if int(idx.min()) < 0 or int(idx.max()) >= r.shape[0] or idx.unique().numel() != n:
             raise ValueError("tiered frame names directions outside the rotation, or one twice")
-        if not torch.isfinite(cs).all() or float(cs.min()) < 0:
-            raise ValueError("tiered frame has a negative or non-finite direction scale")
-        parts = []
-        for i, (m, bits) in enumerate(tiers):
-            q, s = p[f"q{i}"], p[f"s{i}"]
-            if bits == 2:
-                u = unpack_int2(q, m)
-                if s.shape != (u.shape[0], 1):
-                    raise ValueError(
-                        f"2-bit tier scales have shape {tuple(s.shape)}, expected ({u.shape[0]}, 1)"
-                    )
-                parts.append((u.float() - 1.5) * (s.float() * _DELTA2))
-            else:
-                q = unpack_int4(q, m) if bits == 4 else q
-                if q.shape[1] != m:
-                    raise ValueError(f"tier {i} carries {q.shape[1]} directions, expected {m}")
-                parts.append(dequantize_blockwise(q, s, self.block))
-        c = torch.cat(parts, dim=1) * cs
-        return c @ r[idx]
+        return decode_tiers(p, tiers, self.block) @ r[idx]
 
     # ---- the interface -----------------------------------------------------------------------
 
@@ -279,11 +312,7 @@ class TieredCodec(VersionedState, LinkCodec):
         return self._decode(payload, self.rotation(ctx.basis_version, "backward"), "backward").reshape(shape)
 
     def coeff_bytes_per_token(self, hidden: int, direction: str = "forward") -> float:
-        total = 0.0
-        for m, bits in self._tiers(direction, hidden):
-            scales = 1 if bits == 2 else math.ceil(m / self.block)
-            total += math.ceil(m * bits / 8) + 2 * scales
-        return total
+        return tier_bytes_per_token(self._tiers(direction, hidden), self.block)
 
     def frame_bytes(self, tokens: int, hidden: int, direction: str) -> int:
         """Exact payload bytes of one frame of ``tokens`` rows ('forward' adds the median)."""
@@ -302,11 +331,6 @@ class TieredCodec(VersionedState, LinkCodec):
         return d
 
     def payload_dtypes(self) -> dict[str, torch.dtype]:
-        d = {"idx": torch.int16, "cs": torch.bfloat16, "med": torch.bfloat16}
-        for tiers in (self.tiers, self.backward_tiers):
-            for i, (_, bits) in enumerate(tiers):
-                d[f"s{i}"] = torch.bfloat16
-                want = torch.int8 if bits == 8 else torch.uint8
-                if d.setdefault(f"q{i}", want) != want:  # the two directions disagree: checked in decode
-                    d.pop(f"q{i}")
+        d = {"idx": torch.int16, "med": torch.bfloat16, **tier_dtypes(list(self.backward_tiers))}
+        d.update(tier_dtypes(list(self.tiers)))  # a code whose dtype differs by direction: checked in decode
         return d
