@@ -39,6 +39,13 @@ def check_run_flags(a: argparse.Namespace) -> None:
         raise FlagError("--dp-timeout must be > 0")
     if a.lowrank_k_backward < 0:
         raise FlagError(f"--lowrank-k-backward must be >= 0 (0: --codec-k), got {a.lowrank_k_backward}")
+    if a.lowrank_tiers:
+        from node.links import parse_tiers
+
+        try:
+            parse_tiers(a.lowrank_tiers)
+        except ValueError as e:
+            raise FlagError(str(e)) from None
     if a.codec_k < 0:
         raise FlagError(f"--codec-k must be >= 0 (0: the codec's own k), got {a.codec_k}")
     if a.microbatch_tokens and not a.seq_len <= a.microbatch_tokens <= 2**20:

@@ -192,6 +192,20 @@ class NodeConfig:
         choices=(4, 8),
         group=RUN,
     )  # lowrank: 4 = twice the gradient directions for the same bytes
+    lowrank_tiers: str = opt(
+        "",
+        help="lowrank codec: coefficient tiers of falling precision, both directions, as DIRSxBITS,... "
+        "(e.g. 24x8,88x4: 112 directions for the bytes of 80 at 8 bits; bits 8, 4 or 2); overrides "
+        "--codec-k; empty = --codec-k directions at 8 bits (default: %(default)s)",
+        group=RUN,
+    )  # lowrank: more directions at fewer bits past the first few dozen
+    lowrank_centre: str = opt(
+        "mean",
+        help="lowrank codec: the forward's per-frame centre; median keeps a pretrained LM's few "
+        "sink rows from offsetting every other row (default: %(default)s)",
+        choices=("mean", "median"),
+        group=RUN,
+    )  # lowrank: the forward's centre
     calibration_tokens: int = opt(
         2048, help="tokens the run's starter uses to fit a basis codec (default: %(default)s)", group=RUN
     )  # tokens the run's starter uses to fit a basis codec

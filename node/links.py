@@ -11,6 +11,7 @@ from __future__ import annotations
 from compression.codec import DenseCodec, LinkCodec
 from compression.mask import is_dense_step
 from compression.registry import make_codec
+from compression.tiered import check_tiers
 from node.config import NodeConfig
 from protocol.records import RunRecord
 
@@ -61,11 +62,28 @@ def codec_settings(cfg: NodeConfig, model=None) -> dict:
             )
         if cfg.lowrank_backward_bits != 8:
             kw["backward_bits"] = cfg.lowrank_backward_bits
+        if cfg.lowrank_tiers:
+            kw["tiers"] = kw["backward_tiers"] = parse_tiers(cfg.lowrank_tiers)
+        if cfg.lowrank_centre != "mean":
+            kw["centre"] = cfg.lowrank_centre
     elif name in ("topk", "bottleneck"):
         kw = {"k": k}
     else:
         kw = {}
     return make_codec(name, **kw).describe()
+
+
+def parse_tiers(text: str) -> tuple[tuple[int, int], ...]:
+    """``24x8,88x4`` -> ((24, 8), (88, 4)): directions and bits per tier, falling precision."""
+    try:
+        parts = [part.split("x") for part in text.split(",")]
+        if any(len(p) != 2 for p in parts):
+            raise ValueError(text)
+        return check_tiers(tuple((int(n), int(b)) for n, b in parts))
+    except ValueError:
+        raise ValueError(
+            f"--lowrank-tiers {text!r}: expected DIRSxBITS pairs such as 24x8,88x4 (bits 8, 4 or 2)"
+        ) from None
 
 
 def build_codec(desc: dict) -> LinkCodec:

@@ -135,3 +135,20 @@ def test_swarm_node_command_carries_the_swarm_settings():
     )
     assert (cfg.heartbeat_s, cfg.wait_peers, cfg.threads) == (1.0, 2, 1)
     assert all(f.default is not MISSING or f.default_factory is not MISSING for f in fields(NodeConfig))
+
+
+def test_lowrank_tiers_flag_is_checked_and_reaches_the_codec():
+    from compression.registry import make_codec
+    from node.cli import FlagError, check_run_flags
+    from node.links import codec_settings
+
+    args = build_parser().parse_args(["join", "--lowrank-tiers", "24x3,88x4"])
+    with pytest.raises(FlagError, match="--lowrank-tiers '24x3,88x4': expected DIRSxBITS"):
+        check_run_flags(args)
+    cfg = _parse(["--lowrank-tiers", "24x8,88x4", "--lowrank-centre", "median"])
+    desc = codec_settings(cfg)
+    assert desc["tiers"] == desc["backward_tiers"] == [[24, 8], [88, 4]] and desc["centre"] == "median"
+    codec = make_codec(desc.pop("codec"), **desc)
+    assert codec.frame_bytes(2048, 576, "forward") == make_codec(
+        "lowrank", tiers=((24, 8), (88, 4)), centre="median", basis_dtype="int8", basis_block=32
+    ).frame_bytes(2048, 576, "forward")
