@@ -21,9 +21,11 @@ import argparse
 import asyncio
 import contextlib
 import signal
+import socket
 import sys
 
 CHUNK = 1 << 16
+TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux's value; Python 3.11 lacks the name
 
 
 async def pump(
@@ -74,6 +76,17 @@ async def pump(
         reading.cancel()
 
 
+def _node_socket(host: str, lean: int) -> socket.socket:
+    """The proxy's socket to its node. With ``lean``, a small receive buffer: what the node sends
+    waits in the node's own socket, which then pushes back on it, instead of in megabytes of the
+    proxy's autotuned buffer that no TCP on the capped path sees."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    if lean:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, lean)  # before connect: sets the window
+    sock.setblocking(False)
+    return sock
+
+
 async def _serve_one(
     r_in: asyncio.StreamReader,
     w_in: asyncio.StreamWriter,
@@ -81,12 +94,18 @@ async def _serve_one(
     port: int,
     delay: float,
     max_queue: int,
+    lean: int = 0,
 ) -> None:
     try:
-        r_out, w_out = await asyncio.open_connection(host, port)
+        sock = _node_socket(host, lean)
+        await asyncio.get_running_loop().sock_connect(sock, (host, port))
+        r_out, w_out = await asyncio.open_connection(sock=sock)
     except OSError:
         w_in.close()
         return
+    if lean:  # unsent bytes stay in the bounded queue above, not in the kernel's send buffers
+        for w in (w_in, w_out):
+            w.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, lean)
     try:
         await asyncio.gather(pump(r_in, w_out, delay, max_queue), pump(r_out, w_in, delay, max_queue))
     finally:
@@ -95,10 +114,10 @@ async def _serve_one(
 
 
 async def serve(
-    listen: tuple[str, int], to: tuple[str, int], delay: float, ready=None, max_queue: int = 0
+    listen: tuple[str, int], to: tuple[str, int], delay: float, ready=None, max_queue: int = 0, lean: int = 0
 ) -> None:
     server = await asyncio.start_server(
-        lambda r, w: _serve_one(r, w, to[0], to[1], delay, max_queue),
+        lambda r, w: _serve_one(r, w, to[0], to[1], delay, max_queue, lean),
         listen[0],
         listen[1],
         reuse_address=True,
@@ -128,16 +147,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--max-queue", type=int, default=0, help="bytes one direction may hold unwritten (0: unbounded)"
     )
+    p.add_argument(
+        "--lean",
+        type=int,
+        default=0,
+        help="bytes: the receive buffer of the socket to the node and the unsent bytes any socket "
+        "may hold (0: the kernel's autotuned buffers)",
+    )
     a = p.parse_args(argv)
-    if a.delay_ms < 0 or a.max_queue < 0:
-        print("error: --delay-ms and --max-queue must be >= 0", file=sys.stderr)
+    if a.delay_ms < 0 or a.max_queue < 0 or a.lean < 0:
+        print("error: --delay-ms, --max-queue and --lean must be >= 0", file=sys.stderr)
         return 2
 
     def ready() -> None:
         print("ready", flush=True)
 
     try:
-        asyncio.run(serve(a.listen, a.to, a.delay_ms / 1000.0, ready=ready, max_queue=a.max_queue))
+        asyncio.run(
+            serve(a.listen, a.to, a.delay_ms / 1000.0, ready=ready, max_queue=a.max_queue, lean=a.lean)
+        )
     except OSError as e:
         print(f"bench.delayproxy: cannot listen on {a.listen[0]}:{a.listen[1]}: {e}", file=sys.stderr)
         return 1

@@ -174,7 +174,7 @@ def proxy_queue_bytes(rate_bps: float, delay_ms: float) -> int:
 
 
 def start_proxy(
-    topo: Topology, i: int, delay_ms: float, port: int = PORT, max_queue: int = 0
+    topo: Topology, i: int, delay_ms: float, port: int = PORT, max_queue: int = 0, lean: int = 0
 ) -> subprocess.Popen:
     """The delay proxy in front of node i: peers connect to it (ns address), it connects to the
     node on the namespace's loopback, same port; ``max_queue``: bytes a direction may hold
@@ -183,6 +183,7 @@ def start_proxy(
     cmd = topo.exec_prefix(i) + [
         sys.executable, "-m", "bench.delayproxy", "--listen", f"{addr}:{port}",
         "--to", f"127.0.0.1:{port}", "--delay-ms", f"{delay_ms:g}", "--max-queue", str(max_queue),
+        "--lean", str(lean),
     ]  # fmt: skip
     p = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True

@@ -152,10 +152,11 @@ async def _serve_cases(one_case, ping) -> None:
         _say(out)
 
 
-def _frame(size: int, echo: bool, serial: int = 0) -> bytes:
-    data = bytearray(size)
+def _frame(size: int, echo: bool, serial: int = 0, persist: bool = False) -> bytes:
+    data = bytearray(max(size, 3))
     data[0] = ECHO if echo else 0
     data[1] = serial
+    data[2] = 1 if persist else 0  # another frame follows on this stream
     return bytes(data)
 
 
@@ -176,6 +177,7 @@ async def _p2p_recv(host: str, port: int, announce: str) -> None:
 
     from node.transport import close_quietly
     from node.wire import IDLE_S, Wire
+    from protocol.frames import MalformedFrame
 
     wire = Wire()
     p2p = await P2P.create(
@@ -187,13 +189,23 @@ async def _p2p_recv(host: str, port: int, announce: str) -> None:
     replying: dict[int, asyncio.Semaphore] = {}
 
     async def handle(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        first = True
         try:  # as node/server.py reads a FORWARD frame: an inactivity deadline, not a total one
-            msg = await wire.recv(reader, 1 << 31, CASE_TIMEOUT_S, idle=IDLE_S)
-            if len(msg) > 1 and msg[1]:
-                async with replying.setdefault(msg[1], asyncio.Semaphore(msg[1])):
+            while True:  # a persistent stream (--writes persist) carries frame after frame
+                try:
+                    msg = await wire.recv(reader, 1 << 31, CASE_TIMEOUT_S, idle=IDLE_S if first else 3600)
+                except MalformedFrame:
+                    if first:
+                        raise
+                    return  # the sender closed its persistent stream
+                first = False
+                if len(msg) > 1 and msg[1]:
+                    async with replying.setdefault(msg[1], asyncio.Semaphore(msg[1])):
+                        await wire.send(writer, _reply(msg), CASE_TIMEOUT_S)
+                else:
                     await wire.send(writer, _reply(msg), CASE_TIMEOUT_S)
-            else:
-                await wire.send(writer, _reply(msg), CASE_TIMEOUT_S)
+                if not (len(msg) > 2 and msg[2]):
+                    return
         except Exception as e:  # the sender's traceback only says the stream closed: say why here
             print(f"linkprobe receiver: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         finally:
@@ -251,9 +263,42 @@ async def _p2p_send(peer_maddr: str) -> None:
             for _, w in streams:
                 close_quietly(w)
 
+    held: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def persist_worker(i: int, data: bytes, n: int, per_frame: list[float]) -> None:
+        # one long-lived stream, frames back to back, the replies read as they come: its yamux
+        # window, once grown, is not spent again per frame (the stream outlives the case too)
+        while len(held) <= i:
+            held.append(await open_stream(p2p, peer, HANDLER, CASE_TIMEOUT_S))
+        reader, writer = held[i]
+        sent: list[float] = []
+
+        async def replies() -> None:
+            for j in range(n):
+                await wire.recv(reader, len(data) + 64, CASE_TIMEOUT_S)
+                per_frame.append(round(time.perf_counter() - sent[j], 3))
+
+        task = asyncio.ensure_future(replies())
+        for _ in range(n):
+            sent.append(time.perf_counter())
+            await wire.send(writer, data, CASE_TIMEOUT_S)
+        await task
+
     async def one_case(
-        size: int, frames: int, streams: int, echo: bool, serial: int = 0, split: int = 1
+        size: int,
+        frames: int,
+        streams: int,
+        echo: bool,
+        serial: int = 0,
+        split: int = 1,
+        persist: bool = False,
     ) -> dict:
+        if persist:
+            data, per_frame = _frame(size, echo, persist=True), []
+            shares = [frames // streams + (i < frames % streams) for i in range(streams)]
+            t0 = time.perf_counter()
+            await asyncio.gather(*(persist_worker(i, data, n, per_frame) for i, n in enumerate(shares)))
+            return {"seconds": time.perf_counter() - t0, "frame_s": sorted(per_frame)}
         # the receiver writes as many replies at once as this side writes parts
         data = _frame(size // split, echo, min(255, serial * split))
         sending = asyncio.Semaphore(serial) if serial else None
@@ -290,8 +335,9 @@ def _say(obj: dict) -> None:
 class Pair:
     """Receiver in namespace 1 (behind the proxy at RTT > 0), sender in namespace 0."""
 
-    def __init__(self, topo: Topology, kind: str, delay_ms: float, proxy_queue: int = 0):
+    def __init__(self, topo: Topology, kind: str, delay_ms: float, proxy_queue: int = 0, proxy_lean: int = 0):
         self.topo, self.kind, self.delay_ms, self.proxy_queue = topo, kind, delay_ms, proxy_queue
+        self.proxy_lean = proxy_lean
         self.procs: dict[int, subprocess.Popen] = {}
 
     def _role(self, ns: int, group: int, *args: str) -> dict:
@@ -309,7 +355,9 @@ class Pair:
         behind = self.delay_ms > 0  # the receiver listens on its loopback, the proxy on its address
         host = "127.0.0.1" if behind else self.topo.addr(1)
         if behind:
-            self.procs[PROXY] = start_proxy(self.topo, 1, self.delay_ms, max_queue=self.proxy_queue)
+            self.procs[PROXY] = start_proxy(
+                self.topo, 1, self.delay_ms, max_queue=self.proxy_queue, lean=self.proxy_lean
+            )
         dial = f"/ip4/{self.topo.addr(1)}/tcp/{PORT}"
         if self.kind == "tcp":
             self._role(1, RECV, "tcp-recv", host, str(PORT))
@@ -318,12 +366,22 @@ class Pair:
             ready = self._role(1, RECV, "p2p-recv", host, str(PORT), dial if behind else "")
             self._role(0, SEND, "p2p-send", f"{dial}/p2p/{ready['peer_id']}")
 
-    def run_case(self, size: int, frames: int, streams: int, echo: bool, serial: int, split: int = 1) -> dict:
+    def run_case(
+        self,
+        size: int,
+        frames: int,
+        streams: int,
+        echo: bool,
+        serial: int,
+        split: int = 1,
+        persist: bool = False,
+    ) -> dict:
         roots = {g: [p.pid] for g, p in self.procs.items()}
         c0, w0, t0 = self.topo.cpu_by_node(roots, by_comm=True), self.topo.counters(), time.monotonic()
         send = self.procs[SEND]
         case = {"size": size, "frames": frames, "echo": echo}
         case |= {"streams": streams, "serial": serial, "split": split} if self.kind == "p2p" else {}
+        case |= {"persist": True} if persist else {}
         send.stdin.write(json.dumps(case) + "\n")
         send.stdin.flush()
         line = send.stdout.readline()
@@ -377,8 +435,9 @@ def _proxy_queue(spec: str, rate_bps: float, delay_ms: float) -> int:
 
 
 def _serial(writes: str) -> int | None:
-    """'concurrent' -> 0, 'serial' -> 1, 'serialN' -> N (frames written at once), else None."""
-    if writes == "concurrent":
+    """'concurrent' -> 0, 'serial' -> 1, 'serialN' -> N (frames written at once), else None.
+    'persist' (a long-lived stream per frame in flight, frames back to back on it) -> 0."""
+    if writes in ("concurrent", "persist"):
         return 0
     n = writes.removeprefix("serial")
     if writes.startswith("serial") and (n == "" or (n.isdigit() and 0 < int(n) < 256)):
@@ -415,7 +474,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--writes",
         default="concurrent",
         help="p2p: concurrent (the in-flight frames share the link, as the node sends them) and/or "
-        "serial (one frame written at a time, each side; the rest wait their turn), serialN (N at a time)",
+        "serial (one frame written at a time, each side; the rest wait their turn), serialN (N at a time), "
+        "persist (one long-lived stream per frame in flight, frames back to back on it)",
     )
     p.add_argument(
         "--tbf-latency-ms",
@@ -429,6 +489,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="net.ipv4.tcp_notsent_lowat in both namespaces (unsent bytes a socket may hold; "
         "0: the kernel's)",
+    )
+    p.add_argument(
+        "--congestion",
+        default="",
+        help="net.ipv4.tcp_congestion_control in both namespaces, e.g. bbr (default: the kernel's)",
+    )
+    p.add_argument(
+        "--proxy-lean",
+        type=int,
+        default=0,
+        help="the proxy's --lean: bytes of its receive buffer from the node and of unsent bytes per socket",
     )
     p.add_argument(
         "--proxy-queue",
@@ -491,7 +562,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --proxy-queue {a.proxy_queue!r}: give bytes (0: unbounded) or 'bdp'", file=sys.stderr)
         return 2
     command = "python -m bench.linkprobe " + " ".join(sys.argv[1:] if argv is None else argv)
-    topo = Topology(2, rate, latency_ms=a.tbf_latency_ms, notsent_lowat=a.notsent_lowat)
+    topo = Topology(
+        2, rate, latency_ms=a.tbf_latency_ms, notsent_lowat=a.notsent_lowat, congestion=a.congestion
+    )
     signal.signal(signal.SIGTERM, _interrupt)
     rows: list[dict] = []
     status = 0
@@ -501,12 +574,20 @@ def main(argv: list[str] | None = None) -> int:
             for kind in kinds:
                 if kind == "tcp" and rtt not in _ints(a.tcp_rtts):
                     continue
-                pair = Pair(topo, kind, rtt / 2, _proxy_queue(a.proxy_queue, rate, rtt / 2))
+                pair = Pair(topo, kind, rtt / 2, _proxy_queue(a.proxy_queue, rate, rtt / 2), a.proxy_lean)
                 try:
                     pair.start()
                     for size, reply, streams, writes, split in _cases(a, kind):
                         frames = max(4, round(a.bytes / size))
-                        r = pair.run_case(size, frames, streams, reply == "echo", _serial(writes), split)
+                        r = pair.run_case(
+                            size,
+                            frames,
+                            streams,
+                            reply == "echo",
+                            _serial(writes),
+                            split,
+                            writes == "persist",
+                        )
                         row = {
                             "label": a.label, "kind": kind, "rtt_ms": rtt, "size": size,
                             "frames": frames, "streams": streams, "reply": reply, "writes": writes,
@@ -542,7 +623,9 @@ def main(argv: list[str] | None = None) -> int:
             "rate_mbit": rate / 1e6,
             "tbf_latency_ms": a.tbf_latency_ms,
             "notsent_lowat": a.notsent_lowat,
+            "congestion": a.congestion or "default",
             "proxy_queue": a.proxy_queue,
+            "proxy_lean": a.proxy_lean,
         }
         out.write_text(json.dumps(old + [{**meta, **r} for r in rows], indent=1) + "\n")
         print(f"results appended to {out}")

@@ -107,6 +107,8 @@ class Topology:
     # net.ipv4.tcp_notsent_lowat in every node namespace (0: the kernel's, unlimited): how many
     # bytes a socket may hold not yet sent, in front of everything written after them
     notsent_lowat: int = 0
+    # net.ipv4.tcp_congestion_control in every node namespace ("": the kernel's default, cubic)
+    congestion: str = ""
     tag: str = field(default_factory=lambda: str(os.getpid() % 100000))
     net: int = field(default_factory=lambda: 100 + os.getpid() % 100)
     created: list[str] = field(default_factory=list)
@@ -143,6 +145,11 @@ class Topology:
                 _run(
                     self.exec_prefix(i)
                     + ["sysctl", "-qw", f"net.ipv4.tcp_notsent_lowat={self.notsent_lowat}"]
+                )
+            if self.congestion:
+                _run(
+                    self.exec_prefix(i)
+                    + ["sysctl", "-qw", f"net.ipv4.tcp_congestion_control={self.congestion}"]
                 )
             # both ends are born inside our namespaces: nothing appears in the root namespace
             _run(

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from compression.codec import DenseCodec, LinkCodec, LinkContext, Payload, apply_link, payload_nbytes
+from compression.lowrank import LowRankCodec
 from compression.mask import is_dense_step
 from compression.outlier import OutlierMaskCodec, fit_outlier_channels
 from compression.pca import PcaCodec, fit_basis, fit_joint_basis
@@ -216,6 +217,17 @@ VARIANTS: dict[str, Variant] = {
         Variant("lowrank48i8b8k32", "lowrank", {"k": 48, "basis_dtype": "int8", "basis_block": 32}),
         # k = 80: the largest k still >= 10x below dense at 2048-token frames (110.5 B/token, H = 576)
         Variant("lowrank80i8b8k32", "lowrank", {"k": 80, "basis_dtype": "int8", "basis_block": 32}),
+        # diagnostics: which direction of the default link holds back the word task
+        Variant(
+            "lowrank80-fwd-only",
+            "lowrank-oneway",
+            {"direction": "forward", "k": 80, "basis_dtype": "int8", "basis_block": 32},
+        ),
+        Variant(
+            "lowrank80-bwd-only",
+            "lowrank-oneway",
+            {"direction": "backward", "k": 80, "basis_dtype": "int8", "basis_block": 32},
+        ),
         # forward k = 64 at 8 bits, backward k = 128 at 4 bits with a scale per direction: each
         # direction >= 10x below dense at 2048-token frames (87.7 and 110.4 B/token)
         Variant(
@@ -466,8 +478,6 @@ class PcaLowrank(PcaCodec):
     the data: lowrank on both learns the word task like dense, PCA on both does not."""
 
     def __init__(self, lowrank_dir: str, lowrank_k: int = 64, **kw):
-        from compression.lowrank import LowRankCodec
-
         if lowrank_dir not in ("forward", "backward"):
             raise ValueError(f"lowrank_dir must be forward or backward, not {lowrank_dir!r}")
         super().__init__(**kw)
@@ -561,6 +571,43 @@ class PcaTwoBases(PcaCodec):
         return (self._unpack(payload) @ self._v_g.T).reshape(shape)
 
 
+class LowRankOneWay(LowRankCodec):
+    """Diagnostic, not a codec to ship: the per-frame low-rank link on one direction, dense bf16
+    on the other (as ``PcaOneWay`` for PCA). Says whether the forward or the backward of the
+    default link is what keeps it from learning like dense."""
+
+    def __init__(self, direction: str, **kw):
+        if direction not in ("forward", "backward"):
+            raise ValueError(f"direction must be forward or backward, not {direction!r}")
+        super().__init__(**kw)
+        self.direction = direction
+
+    def encode_forward(self, h: torch.Tensor, ctx: LinkContext) -> Payload:
+        if self.direction == "forward":
+            return super().encode_forward(h, ctx)
+        return {"h": h.detach().to(torch.bfloat16)}
+
+    def decode_forward(self, payload: Payload, ctx: LinkContext, shape) -> torch.Tensor:
+        if self.direction == "forward":
+            return super().decode_forward(payload, ctx, shape)
+        return payload["h"].to(torch.float32).reshape(shape)
+
+    def encode_backward(self, g: torch.Tensor, ctx: LinkContext) -> Payload:
+        if self.direction == "backward":
+            return super().encode_backward(g, ctx)
+        return {"g": g.detach().to(torch.bfloat16)}
+
+    def decode_backward(self, payload: Payload, ctx: LinkContext, shape) -> torch.Tensor:
+        if self.direction == "backward":
+            return super().decode_backward(payload, ctx, shape)
+        return payload["g"].to(torch.float32).reshape(shape)
+
+    def frame_bytes(self, tokens: int, hidden: int, direction: str) -> int:
+        if direction == self.direction:
+            return super().frame_bytes(tokens, hidden, direction)
+        return tokens * 2 * hidden
+
+
 def grad_basis(grads: torch.Tensor, k: int) -> torch.Tensor:
     """Top-k uncentred directions of the gradients (energy, not variance)."""
     g = grads.detach().to(torch.float64)
@@ -584,6 +631,8 @@ def build_codec(variant: Variant) -> LinkCodec:
         return PcaOneWay(**variant.settings)
     if variant.codec == "pca-lowrank":
         return PcaLowrank(**variant.settings)
+    if variant.codec == "lowrank-oneway":
+        return LowRankOneWay(**variant.settings)
     if variant.codec == "pca-2bases":
         return PcaTwoBases(**variant.settings)
     return make_codec(variant.codec, **variant.settings)
