@@ -248,12 +248,11 @@ class LowRankCodec(LinkCodec):
             basis = k * hidden + 2 * k * math.ceil(hidden / self._bblock(hidden))  # int8 + bf16 scales
         else:
             basis = k * hidden * self._bdtype.itemsize
-        if direction == "forward":
-            extra = hidden * self._bdtype.itemsize  # the mean
-        else:
-            extra = k * self._sdtype.itemsize if self.backward_bits == 4 else 0  # per-direction scales
+        extra = hidden * self._bdtype.itemsize if direction == "forward" else 0  # the mean
         if self._tiers(direction, hidden):
-            extra = (hidden * self._bdtype.itemsize if direction == "forward" else 0) + 2 * k  # + cs
+            extra += 2 * k  # a bf16 scale per direction (cs)
+        elif direction == "backward" and self.backward_bits == 4:
+            extra += k * self._sdtype.itemsize  # per-direction scales
         return int(basis + extra + tokens * self.coeff_bytes_per_token(hidden, direction))
 
     def bytes_per_token(self, hidden: int) -> float:
