@@ -644,6 +644,13 @@ def calibrated(codec: LinkCodec) -> bool:
     return isinstance(codec, (PcaCodec, OutlierMaskCodec, TieredCodec))
 
 
+def published_bytes(codec: LinkCodec) -> int:
+    """Bytes of one published version of a calibrated codec's state (0: it publishes none)."""
+    if isinstance(codec, TieredCodec):  # one rotation per direction; bytes are per direction
+        return codec.rotation_nbytes(HIDDEN)
+    return codec.basis_nbytes(HIDDEN) if calibrated(codec) else 0
+
+
 def needs_grads(codec: LinkCodec) -> bool:
     """Calibration must also take the boundary gradients of the answer loss."""
     return bool(getattr(codec, "grad_k", 0)) or isinstance(codec, (PcaTwoBases, TieredCodec))
@@ -887,9 +894,7 @@ def run(
     counted = {
         d: sum(c.bytes[d] for c in meters) / max(sum(c.tokens[d] for c in meters), 1) for d in ("fwd", "bwd")
     }
-    basis_bytes = codecs[0].inner.basis_nbytes(HIDDEN) * (basis_version + 1) if is_pca else 0
-    if isinstance(codecs[0].inner, TieredCodec):  # one rotation per direction; bytes are per direction
-        basis_bytes = codecs[0].inner.rotation_nbytes(HIDDEN) * (basis_version + 1)
+    basis_bytes = published_bytes(codecs[0].inner) * (basis_version + 1)
     basis_bpt = basis_bytes / max(wire_tokens, 1)
     link_basis = None
     if link_stats is not None:
