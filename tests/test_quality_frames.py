@@ -52,3 +52,27 @@ def test_run_record_bounds_a_token_packed_frame():
     packed = RunRecord(**base, seq_len=64, microbatch=8, microbatch_tokens=512)
     assert packed.frame_fits(25, 20) and not packed.frame_fits(9, 64) and not packed.frame_fits(1, 65)
     assert packed.max_frame_tokens == 512 and rows.max_frame_tokens == 512
+
+
+def test_lowrank_one_way_diagnostics_compress_only_their_direction():
+    """lowrank80-fwd-only / -bwd-only: the default link on one direction, dense bf16 on the other."""
+    import torch
+
+    from bench.quality import VARIANTS, build_codec
+    from compression.codec import LinkContext
+    from compression.lowrank import LowRankCodec
+
+    torch.manual_seed(0)
+    x, g, ctx, shape = torch.randn(300, 576), torch.randn(300, 576), LinkContext(), (300, 576)
+    ref = LowRankCodec(k=80, basis_dtype="int8", basis_block=32)
+    fwd, bwd = build_codec(VARIANTS["lowrank80-fwd-only"]), build_codec(VARIANTS["lowrank80-bwd-only"])
+    ref_x = ref.decode_forward(ref.encode_forward(x, ctx), ctx, shape)
+    ref_g = ref.decode_backward(ref.encode_backward(g, ctx), ctx, shape)
+    assert torch.equal(fwd.decode_forward(fwd.encode_forward(x, ctx), ctx, shape), ref_x)
+    assert torch.equal(fwd.decode_backward(fwd.encode_backward(g, ctx), ctx, shape), g.bfloat16().float())
+    assert torch.equal(bwd.decode_forward(bwd.encode_forward(x, ctx), ctx, shape), x.bfloat16().float())
+    assert torch.equal(bwd.decode_backward(bwd.encode_backward(g, ctx), ctx, shape), ref_g)
+    assert fwd.frame_bytes(300, 576, "forward") == ref.frame_bytes(300, 576, "forward")
+    assert fwd.frame_bytes(300, 576, "backward") == 300 * 576 * 2
+    assert bwd.frame_bytes(300, 576, "backward") == ref.frame_bytes(300, 576, "backward")
+    assert bwd.frame_bytes(300, 576, "forward") == 300 * 576 * 2
