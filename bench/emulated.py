@@ -402,7 +402,7 @@ class EmulatedLinkCodec(LinkCodec):
         b, t, hidden = shape
         rows = b * t
         if hasattr(self.inner, "frame_bytes"):
-            want = self.inner.frame_bytes(rows, hidden, direction)
+            want = self.inner.frame_bytes(rows, hidden, direction, sequences=b)
         else:
             want = round(self.inner.bytes_per_token(hidden) * rows)
         got = {}

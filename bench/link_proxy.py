@@ -55,10 +55,10 @@ class _Probe(torch.autograd.Function):
         ctx.codec, ctx.link, ctx.backward_on, ctx.meter = codec, link, not forward, meter
         if not forward:
             return h.clone()
-        rows = h.reshape(-1, h.shape[-1]).float()
-        p = codec.encode_forward(rows, link)
-        meter["fwd"] = payload_nbytes(p) / rows.shape[0]
-        return codec.decode_forward(p, link, tuple(rows.shape)).reshape(h.shape).to(h.dtype)
+        x = h.float()  # the frame's own (sequences, positions, H) shape, as a hop sends it
+        p = codec.encode_forward(x, link)
+        meter["fwd"] = payload_nbytes(p) / x[..., 0].numel()
+        return codec.decode_forward(p, link, tuple(x.shape)).to(h.dtype)
 
     @staticmethod
     def backward(ctx, g):

@@ -235,6 +235,25 @@ VARIANTS: dict[str, Variant] = {
             "lowrank",
             {"k": 64, "k_backward": 128, "backward_bits": 4, "basis_dtype": "int8", "basis_block": 32},
         ),
+        # the default link with the first position of every sequence (the attention sink) coded
+        # apart: its own mean and 4 directions, so the basis and the mean fit the other rows
+        Variant(
+            "lowrank80a",
+            "lowrank",
+            {"k": 80, "basis_dtype": "int8", "basis_block": 32, "first_apart": True},
+        ),
+        # both: lowrankt24-88m's tiers in each direction, the first positions apart (mean centre)
+        Variant(
+            "lowrankt24-88a",
+            "lowrank",
+            {
+                "tiers": ((24, 8), (88, 4)),
+                "backward_tiers": ((24, 8), (88, 4)),
+                "first_apart": True,
+                "basis_dtype": "int8",
+                "basis_block": 32,
+            },
+        ),
         # the default's forward (k = 80 at 8 bits), the backward as k = 128 at 4 bits with a scale
         # per direction: 110.7 / 110.4 B/token at 2048-token frames (10.4x each way)
         Variant(
@@ -510,9 +529,9 @@ class PcaLowrank(PcaCodec):
             return self.lowrank.decode_backward(payload, ctx, shape)
         return super().decode_backward(payload, ctx, shape)
 
-    def frame_bytes(self, tokens: int, hidden: int, direction: str) -> float:
+    def frame_bytes(self, tokens: int, hidden: int, direction: str, sequences: int = 0) -> float:
         if direction == self.lowrank_dir:
-            return self.lowrank.frame_bytes(tokens, hidden, direction)
+            return self.lowrank.frame_bytes(tokens, hidden, direction, sequences)
         return tokens * super().bytes_per_token(hidden)
 
 
@@ -609,9 +628,9 @@ class LowRankOneWay(LowRankCodec):
             return super().decode_backward(payload, ctx, shape)
         return payload["g"].to(torch.float32).reshape(shape)
 
-    def frame_bytes(self, tokens: int, hidden: int, direction: str) -> int:
+    def frame_bytes(self, tokens: int, hidden: int, direction: str, sequences: int = 0) -> int:
         if direction == self.direction:
-            return super().frame_bytes(tokens, hidden, direction)
+            return super().frame_bytes(tokens, hidden, direction, sequences)
         return tokens * 2 * hidden
 
 
@@ -622,13 +641,14 @@ def grad_basis(grads: torch.Tensor, k: int) -> torch.Tensor:
     return vecs[:, -k:].flip(-1).to(torch.float32)
 
 
-def step_wire_bytes(codec: LinkCodec, n_tok: int, dense_now: bool) -> float:
+def step_wire_bytes(codec: LinkCodec, n_tok: int, dense_now: bool, sequences: int = 0) -> float:
     """Payload bytes per boundary per direction of one step (mean of the two directions)."""
     if dense_now:
         return n_tok * DENSE_BPT
     if hasattr(codec, "frame_bytes"):  # a per-frame basis: charged with every frame
         return (
-            codec.frame_bytes(n_tok, HIDDEN, "forward") + codec.frame_bytes(n_tok, HIDDEN, "backward")
+            codec.frame_bytes(n_tok, HIDDEN, "forward", sequences=sequences)
+            + codec.frame_bytes(n_tok, HIDDEN, "backward", sequences=sequences)
         ) / 2
     return n_tok * codec.bytes_per_token(HIDDEN)
 
@@ -814,7 +834,7 @@ def run(
         loss.backward()
         n_tok = ids.numel()
         wire_tokens += n_tok
-        wire_bytes += step_wire_bytes(codecs[0].inner, n_tok, dense_now)
+        wire_bytes += step_wire_bytes(codecs[0].inner, n_tok, dense_now, ids.shape[0])
         # forward frames also carry the labels, in the node's wire layout (protocol.frames)
         label_bytes += sum(t.numel() * t.element_size() for t in pack_labels(labels, VOCAB).values())
 

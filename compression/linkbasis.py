@@ -309,10 +309,17 @@ class LinkBasisCodec(LinkCodec):
         return self.directions_bytes(k - n, k) + self.directions_bytes(n, hidden)
 
     def frame_bytes(
-        self, tokens: int, hidden: int, direction: str, update: int = 0, full: bool = False
+        self,
+        tokens: int,
+        hidden: int,
+        direction: str,
+        update: int = 0,
+        full: bool = False,
+        sequences: int = 0,
     ) -> int:
         """Exact payload bytes of one frame: version, mean (forward), coefficients, and an update
-        bringing in ``update`` directions, or the int8 ``full`` basis of a first frame."""
+        bringing in ``update`` directions, or the int8 ``full`` basis of a first frame (the
+        layout does not depend on how many ``sequences`` the tokens are)."""
         mean = 2 * hidden if direction == "forward" else 0
         basis = self.directions_bytes(min(self.k, hidden), hidden) if full else 0
         if update:

@@ -35,6 +35,7 @@ from compression.tiered import (
 
 COEFF_DTYPES = ("int8", "bfloat16", "float32")
 BASIS_DTYPES = ("int8", "bfloat16", "float32")  # int8: bf16 absmax scales (see basis_block)
+FIRST_K = 4  # directions of the first positions' own basis (identical first tokens need none)
 _NORM_TOL = 0.05  # decoded basis rows are unit vectors up to rounding; more is a malformed frame
 
 
@@ -72,6 +73,7 @@ class LowRankCodec(LinkCodec):
         tiers=None,
         backward_tiers=None,
         centre: str = "mean",
+        first_apart: bool = False,
     ):
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
@@ -102,6 +104,14 @@ class LowRankCodec(LinkCodec):
         # norm) pull the mean towards them, an offset every other row then carries; centred by the
         # median, the same k leaves 27% less KL on the answer logits (SmolLM2, 2048-token frames).
         self.centre = centre
+        # The forward's first position of every sequence coded apart (mean + FIRST_K directions of
+        # its own). Why: a pretrained LM's first position is its attention sink, with a norm ~100x
+        # the others' (SmolLM2 at boundaries 1-2: 70 rows of a 2030-token frame, all at position
+        # 0, hold 99.6-99.9% of the energy). In one basis with the rest they take directions and
+        # the mean, and the other rows keep 11-12% error per row at k = 80; apart, a basis of the
+        # rest alone leaves 7.7-9.8% (bench/results/quality.md, ninth section). Position 0 is
+        # known to both ends from the frame's shape, so no index travels.
+        self.first_apart = bool(first_apart)
         self.k, self.coeff_dtype, self.block = int(k), coeff_dtype, int(block)
         # The backward's own k. Why: a pretrained model's boundary activations are nearly rank-k
         # (top 32 directions leave 1-12% of the centred signal), its boundary gradients are not
@@ -211,18 +221,72 @@ class LowRankCodec(LinkCodec):
 
     # ---- the interface -----------------------------------------------------------------------
 
+    def _apart(self, shape: tuple[int, ...]) -> bool:
+        """Whether a forward frame of ``shape`` (sequences, positions, H) sends position 0 apart."""
+        return self.first_apart and len(shape) == 3 and shape[1] > 1
+
     def encode_forward(self, h: torch.Tensor, ctx: LinkContext) -> Payload:
-        rows = h.detach().reshape(-1, h.shape[-1]).to(torch.float32)
+        x = h.detach().to(torch.float32)
+        if self._apart(tuple(x.shape)):
+            out = self._encode_centred(x[:, 1:].reshape(-1, x.shape[-1]))
+            out.update(self._encode_first(x[:, 0]))
+            return out
+        return self._encode_centred(x.reshape(-1, x.shape[-1]))
+
+    def decode_forward(self, payload: Payload, ctx: LinkContext, shape: tuple[int, ...]) -> torch.Tensor:
+        if not self._apart(tuple(shape)):
+            return self._decode_centred(payload, math.prod(shape[:-1]), shape[-1]).reshape(shape)
+        b, t, hidden = shape
+        rest = self._decode_centred(payload, b * (t - 1), hidden).reshape(b, t - 1, hidden)
+        return torch.cat([self._decode_first(payload, b, hidden)[:, None], rest], dim=1)
+
+    def _encode_centred(self, rows: torch.Tensor) -> Payload:
         mean = (rows.median(dim=0).values if self.centre == "median" else rows.mean(dim=0)).to(self._bdtype)
         out = self._encode(rows - mean.to(torch.float32), "forward")
         out["mean"] = mean.contiguous()
         return out
 
-    def decode_forward(self, payload: Payload, ctx: LinkContext, shape: tuple[int, ...]) -> torch.Tensor:
+    def _decode_centred(self, payload: Payload, n_rows: int, hidden: int) -> torch.Tensor:
         mean = payload["mean"]
-        if tuple(mean.shape) != (shape[-1],):  # a shorter one would broadcast silently (fuzz finding)
-            raise ValueError(f"mean has shape {tuple(mean.shape)}, expected ({shape[-1]},)")
-        return (self._decode(payload, "forward") + mean.to(torch.float32)).reshape(shape)
+        if tuple(mean.shape) != (hidden,):  # a shorter one would broadcast silently (fuzz finding)
+            raise ValueError(f"mean has shape {tuple(mean.shape)}, expected ({hidden},)")
+        rows = self._decode(payload, "forward")
+        if rows.shape[0] != n_rows:
+            raise ValueError(f"lowrank payload has {rows.shape[0]} rows, the frame {n_rows}")
+        return rows + mean.to(torch.float32)
+
+    def _encode_first(self, rows: torch.Tensor) -> Payload:
+        """The first positions (B, H): their own mean and min(B, FIRST_K) directions, the codes in
+        the coefficients' dtype."""
+        mean = rows.mean(dim=0).to(self._bdtype)
+        centred = rows - mean.to(torch.float32)
+        sub, vt = self._basis(centred, min(FIRST_K, rows.shape[0]))
+        c = centred @ vt.T
+        if self.coeff_dtype == "int8":
+            q, scale = quantize_blockwise(c, self.block, 8, self._sdtype)
+            sub.update(q=q, scale=scale)
+        else:
+            sub["c"] = c.to(WIRE_DTYPES[self.coeff_dtype]).contiguous()
+        return {"f_mean": mean.contiguous()} | {"f_" + n: v for n, v in sub.items()}
+
+    def _first_names(self) -> tuple[str, ...]:
+        basis = ("vq", "vscale") if self.basis_dtype == "int8" else ("v",)
+        return basis + (("q", "scale") if self.coeff_dtype == "int8" else ("c",))
+
+    def _decode_first(self, payload: Payload, b: int, hidden: int) -> torch.Tensor:
+        try:
+            mean, sub = payload["f_mean"], {n: payload["f_" + n] for n in self._first_names()}
+        except KeyError as e:
+            raise ValueError(f"lowrank frame lacks its first positions' {e.args[0]}") from None
+        vt, k = self._basis_of(sub, "forward"), min(FIRST_K, b)
+        c = sub["q"] if self.coeff_dtype == "int8" else sub["c"]
+        if tuple(mean.shape) != (hidden,) or tuple(vt.shape) != (k, hidden) or tuple(c.shape) != (b, k):
+            raise ValueError(f"lowrank first positions do not match {b} sequences of width {hidden}")
+        if self.coeff_dtype == "int8":
+            if tuple(sub["scale"].shape) != (b, math.ceil(k / self.block)):
+                raise ValueError("lowrank first positions' codes and scales do not match")
+            c = dequantize_blockwise(c, sub["scale"], self.block)
+        return c.to(torch.float32) @ vt + mean.to(torch.float32)
 
     def encode_backward(self, g: torch.Tensor, ctx: LinkContext) -> Payload:
         return self._encode(g.detach().reshape(-1, g.shape[-1]).to(torch.float32), "backward")
@@ -241,13 +305,26 @@ class LowRankCodec(LinkCodec):
             return float(k + math.ceil(k / self.block) * self._sdtype.itemsize)
         return float(k * WIRE_DTYPES[self.coeff_dtype].itemsize)
 
-    def frame_bytes(self, tokens: int, hidden: int, direction: str) -> int:
-        """Exact payload bytes of one frame of ``tokens`` rows ('forward' adds the mean)."""
-        k = self._k(direction, hidden)
+    def _basis_bytes(self, k: int, hidden: int) -> int:
         if self.basis_dtype == "int8":
-            basis = k * hidden + 2 * k * math.ceil(hidden / self._bblock(hidden))  # int8 + bf16 scales
-        else:
-            basis = k * hidden * self._bdtype.itemsize
+            return k * hidden + 2 * k * math.ceil(hidden / self._bblock(hidden))  # int8 + bf16 scales
+        return k * hidden * self._bdtype.itemsize
+
+    def frame_bytes(self, tokens: int, hidden: int, direction: str, sequences: int = 0) -> int:
+        """Exact payload bytes of one frame of ``tokens`` rows in ``sequences`` sequences (0: rows
+        with no sequence structure); 'forward' adds the mean, and with ``first_apart`` the first
+        positions' own code."""
+        k = self._k(direction, hidden)
+        first = 0
+        if direction == "forward" and self.first_apart and 0 < sequences < tokens:
+            ks = min(FIRST_K, sequences)
+            first = hidden * self._bdtype.itemsize + self._basis_bytes(ks, hidden)
+            if self.coeff_dtype == "int8":
+                first += sequences * (ks + math.ceil(ks / self.block) * self._sdtype.itemsize)
+            else:
+                first += sequences * ks * WIRE_DTYPES[self.coeff_dtype].itemsize
+            tokens -= sequences
+        basis = self._basis_bytes(k, hidden) + first
         extra = hidden * self._bdtype.itemsize if direction == "forward" else 0  # the mean
         if self._tiers(direction, hidden):
             extra += 2 * k  # a bf16 scale per direction (cs)
@@ -281,6 +358,8 @@ class LowRankCodec(LinkCodec):
             d["backward_tiers"] = [list(t) for t in self.backward_tiers]
         if self.centre != "mean":
             d["centre"] = self.centre
+        if self.first_apart:
+            d["first_apart"] = True
         return d
 
     def payload_dtypes(self) -> dict[str, torch.dtype]:
@@ -299,4 +378,6 @@ class LowRankCodec(LinkCodec):
         for tiers in (self.backward_tiers, self.tiers):  # forward last: a code whose dtype differs
             if tiers:  # by direction is checked in decode
                 d.update(tier_dtypes(list(tiers)))
+        if self.first_apart:
+            d.update({"f_mean": self._bdtype} | {"f_" + n: d[n] for n in self._first_names()})
         return d

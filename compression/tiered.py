@@ -314,8 +314,9 @@ class TieredCodec(VersionedState, LinkCodec):
     def coeff_bytes_per_token(self, hidden: int, direction: str = "forward") -> float:
         return tier_bytes_per_token(self._tiers(direction, hidden), self.block)
 
-    def frame_bytes(self, tokens: int, hidden: int, direction: str) -> int:
-        """Exact payload bytes of one frame of ``tokens`` rows ('forward' adds the median)."""
+    def frame_bytes(self, tokens: int, hidden: int, direction: str, sequences: int = 0) -> int:
+        """Exact payload bytes of one frame of ``tokens`` rows ('forward' adds the median); the
+        layout does not depend on how many ``sequences`` they are."""
         n = sum(m for m, _ in self._tiers(direction, hidden))
         extra = 2 * hidden if direction == "forward" else 0
         return int(extra + 4 * n + tokens * self.coeff_bytes_per_token(hidden, direction))

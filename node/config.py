@@ -206,6 +206,12 @@ class NodeConfig:
         choices=("mean", "median"),
         group=RUN,
     )  # lowrank: the forward's centre
+    lowrank_first_apart: bool = opt(
+        False,
+        help="lowrank codec: code each sequence's first position (a pretrained LM's attention sink, "
+        "~100x the others' norm) apart from the rest, so the basis and mean fit the other rows",
+        group=RUN,
+    )  # lowrank: the sink position in its own small code
     calibration_tokens: int = opt(
         2048, help="tokens the run's starter uses to fit a basis codec (default: %(default)s)", group=RUN
     )  # tokens the run's starter uses to fit a basis codec

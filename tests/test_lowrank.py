@@ -197,3 +197,69 @@ def test_median_centre_keeps_the_bulk_rows_when_a_few_rows_are_sinks():
     # ~1), and that coefficient sets the int8 scale of the row's block: the bulk's own get a few
     # levels. Measured: 0.014 against 0.287.
     assert bulk_err("median") < 0.02 < 0.2 < bulk_err("mean")
+
+
+def _with_first(b: int, t: int, h: int, seed: int) -> torch.Tensor:
+    """(b, t, h): rank 8 around a mean at positions 1.., and at position 0 rows ~100x louder in a
+    rank-3 set of their own (a pretrained LM's attention sink is its first position)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (_low_rank(b * t, h, 8, seed) + torch.randn(h, generator=g)).reshape(b, t, h)
+    x[:, 0] = 100.0 * (
+        torch.randn(b, 3, generator=g) @ torch.randn(3, h, generator=g) + torch.randn(h, generator=g)
+    )
+    return x
+
+
+def test_first_positions_apart_round_trip_exactly_in_fp32():
+    x = _with_first(6, 10, 64, 20)
+    apart = LowRankCodec(k=8, coeff_dtype="float32", basis_dtype="float32", first_apart=True)
+    out = apart.decode_forward(apart.encode_forward(x, CTX), CTX, tuple(x.shape))
+    assert torch.allclose(out, x, rtol=1e-4, atol=1e-2), (out - x).abs().max()
+    # in one shared basis the first positions take directions from the rest: rank 8 no longer holds
+    shared = LowRankCodec(k=8, coeff_dtype="float32", basis_dtype="float32")
+    y = shared.decode_forward(shared.encode_forward(x, CTX), CTX, tuple(x.shape))
+    assert float((y - x)[:, 1:].norm() / x[:, 1:].norm()) > 0.1
+
+
+def test_first_apart_keeps_the_other_rows_precise_beside_sinks():
+    """As the median test above, with the sinks where a pretrained LM has them (position 0): coded
+    apart, the other rows keep their precision at int8 (measured 0.007 against 0.25 shared)."""
+    g = torch.Generator().manual_seed(12)
+    basis = torch.linalg.qr(torch.randn(64, 9, generator=g))[0].T
+    x = (torch.randn(40 * 25, 8, generator=g) @ basis[:8] + 2.0).reshape(40, 25, 64)
+    x[:, 0] += 2000.0 * basis[8]
+
+    def rest_err(apart: bool) -> float:
+        c = LowRankCodec(k=10, basis_dtype="int8", basis_block=32, first_apart=apart)
+        y = c.decode_forward(c.encode_forward(x, CTX), CTX, tuple(x.shape))
+        return float(((y - x)[:, 1:].norm(dim=-1) / (x - 2.0)[:, 1:].norm(dim=-1)).median())
+
+    assert rest_err(True) < 0.02 < 0.2 < rest_err(False)
+
+
+@pytest.mark.parametrize("shape", [(12, 9, 64), (2, 30, 64), (5, 1, 64), (40, 64)])
+def test_first_apart_payload_bytes_match_frame_bytes(shape):
+    """Fewer sequences than FIRST_K, one position per sequence (nothing apart), 2-D rows (none)."""
+    c = LowRankCodec(k=8, basis_dtype="int8", basis_block=32, first_apart=True)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(3))
+    p = c.encode_forward(x, CTX)
+    seqs = shape[0] if len(shape) == 3 else 0
+    tokens = x[..., 0].numel()
+    assert payload_nbytes(p) == c.frame_bytes(tokens, 64, "forward", sequences=seqs)
+    assert c.decode_forward(p, CTX, shape).shape == x.shape
+
+
+def test_first_apart_malformed_payloads_are_refused():
+    c = LowRankCodec(k=8, basis_dtype="int8", basis_block=32, first_apart=True)
+    x = _with_first(6, 10, 64, 21)
+    good = c.encode_forward(x, CTX)
+    bad = [
+        {k: v for k, v in good.items() if k != "f_q"},  # the first positions' codes missing
+        good | {"f_q": good["f_q"][:-1]},  # codes for 5 sequences, the frame has 6
+        good | {"f_mean": good["f_mean"][:-1]},
+        good | {"f_scale": good["f_scale"][:, :0]},
+        good | {"q": good["q"][:-1], "scale": good["scale"][:-1]},  # one row short of the rest
+    ]
+    for payload in bad:
+        with pytest.raises(ValueError):
+            c.decode_forward(payload, CTX, tuple(x.shape))
