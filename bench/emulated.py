@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from compression.codec import LinkCodec, LinkContext, Payload, payload_nbytes
+from compression.lowrank import FIRST_K
 from node.compute import Compute
 
 EMULATE = "emulate"
@@ -425,9 +426,11 @@ class EmulatedLinkCodec(LinkCodec):
         probe = torch.randn(PROBE_B, PROBE_T, width, generator=gen)
         enc = self.inner.encode_forward if direction == "forward" else self.inner.encode_backward
         sizes = {PROBE_B: b, PROBE_T: t, PROBE_B * PROBE_T: b * t, width: hidden}
+        sizes[PROBE_B * (PROBE_T - 1)] = b * (t - 1)  # lowrank first_apart: the rows after position 0
+        first = {PROBE_B: b, min(FIRST_K, PROBE_B): min(FIRST_K, b), width: hidden}  # and position 0's
         out = {}
         for name, x in enc(probe, ctx).items():
-            new = tuple(sizes.get(d, d) for d in x.shape)
+            new = tuple((first if name.startswith("f_") else sizes).get(d, d) for d in x.shape)
             n = math.prod(new)
             flat = x.reshape(-1)
             out[name] = flat.repeat(-(-n // max(flat.numel(), 1)))[:n].reshape(new).contiguous()

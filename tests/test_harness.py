@@ -253,6 +253,7 @@ def _real_and_emulated(name: str, **kw):
         ("mask", {"rate": 0.95}),
         ("pca", {"k": 32, "coeff_dtype": "int8"}),
         ("lowrank", {"k": 16, "coeff_dtype": "int8"}),
+        ("lowrank", {"k": 16, "basis_dtype": "int8", "basis_block": 32, "first_apart": True}),
     ],
 )
 def test_emulated_link_sends_the_real_codecs_layout(name, kw):
