@@ -58,7 +58,11 @@ class _Probe(torch.autograd.Function):
         x = h.float()  # the frame's own (sequences, positions, H) shape, as a hop sends it
         p = codec.encode_forward(x, link)
         meter["fwd"] = payload_nbytes(p) / x[..., 0].numel()
-        return codec.decode_forward(p, link, tuple(x.shape)).to(h.dtype)
+        y = codec.decode_forward(p, link, tuple(x.shape))
+        if x.dim() == 3:  # per-row error past position 0 (the sink), the median over the frame
+            rows = (y - x)[:, 1:].norm(dim=-1) / x[:, 1:].norm(dim=-1).clamp_min(1e-12)
+            meter.setdefault("row_err", []).append(float(rows.median()))
+        return y.to(h.dtype)
 
     @staticmethod
     def backward(ctx, g):
@@ -140,7 +144,10 @@ def main(argv=None) -> int:
     ref, true = _step(model, pipe, ids, labels, None, True, {})
     logp = F.log_softmax(ref, -1)
     print(f"{a.task} frame of {ids.numel()} tokens, after {a.dense_steps} dense steps")
-    print("variant | fwd B/token | KL(dense||codec) | bwd B/token | per stage: param-grad rel. err / cos")
+    print(
+        "variant | fwd B/token | KL(dense||codec) | per-row fwd error past position 0, by boundary "
+        "| bwd B/token | per stage: param-grad rel. err / cos"
+    )
     for name, codecs in probes.items():
         meter: dict = {}
         logits, _ = _step(model, pipe, ids, labels, codecs, True, meter)
@@ -150,7 +157,8 @@ def main(argv=None) -> int:
             f"{float((g - t).norm() / t.norm()):.3f}/{float(g @ t / g.norm() / t.norm()):.4f}"
             for g, t in zip(grads, true)
         )
-        print(f"{name} | {meter['fwd']:.1f} | {kl:.4f} | {meter['bwd']:.1f} | {stages}", flush=True)
+        rows = " ".join(f"{e:.3f}" for e in meter.get("row_err", []))
+        print(f"{name} | {meter['fwd']:.1f} | {kl:.4f} | {rows} | {meter['bwd']:.1f} | {stages}", flush=True)
     return 0
 
 
