@@ -535,14 +535,11 @@ class PcaLowrank(PcaCodec):
         return tokens * super().bytes_per_token(hidden)
 
 
-class PcaOneWay(PcaCodec):
-    """Diagnostic, not a codec to ship: PCA on one direction, dense bf16 on the other.
-
-    Separates where learning through PCA fails: ``forward`` compresses the activations and
-    sends the gradient dense (straight-through: the sender applies the receiver's dense
-    gradient as if the link were the identity); ``backward`` sends exact activations and
-    projects only the gradient, g V Vᵀ.
-    """
+class OneWay:
+    """Diagnostic mixin, not a codec to ship: the codec it is mixed into on one ``direction``,
+    dense bf16 on the other. ``forward`` compresses the activations and sends the gradient dense
+    (straight-through: the sender applies the receiver's dense gradient as if the link were the
+    identity); ``backward`` sends exact activations and compresses only the gradient."""
 
     def __init__(self, direction: str, **kw):
         if direction not in ("forward", "backward"):
@@ -570,9 +567,23 @@ class PcaOneWay(PcaCodec):
             return super().decode_backward(payload, ctx, shape)
         return payload["g"].to(torch.float32).reshape(shape)
 
+
+class PcaOneWay(OneWay, PcaCodec):
+    """PCA on one direction, dense bf16 on the other: where learning through PCA fails."""
+
     def bytes_per_token(self, hidden: int) -> float:
         """Mean of the two directions (one PCA, one dense bf16)."""
         return (super().bytes_per_token(hidden) + 2 * hidden) / 2
+
+
+class LowRankOneWay(OneWay, LowRankCodec):
+    """The default link on one direction, dense bf16 on the other: whether the forward or the
+    backward keeps it from learning like dense."""
+
+    def frame_bytes(self, tokens: int, hidden: int, direction: str, sequences: int = 0) -> int:
+        if direction == self.direction:
+            return super().frame_bytes(tokens, hidden, direction, sequences)
+        return tokens * 2 * hidden
 
 
 class PcaTwoBases(PcaCodec):
@@ -595,43 +606,6 @@ class PcaTwoBases(PcaCodec):
 
     def decode_backward(self, payload: Payload, ctx: LinkContext, shape) -> torch.Tensor:
         return (self._unpack(payload) @ self._v_g.T).reshape(shape)
-
-
-class LowRankOneWay(LowRankCodec):
-    """Diagnostic, not a codec to ship: the per-frame low-rank link on one direction, dense bf16
-    on the other (as ``PcaOneWay`` for PCA). Says whether the forward or the backward of the
-    default link is what keeps it from learning like dense."""
-
-    def __init__(self, direction: str, **kw):
-        if direction not in ("forward", "backward"):
-            raise ValueError(f"direction must be forward or backward, not {direction!r}")
-        super().__init__(**kw)
-        self.direction = direction
-
-    def encode_forward(self, h: torch.Tensor, ctx: LinkContext) -> Payload:
-        if self.direction == "forward":
-            return super().encode_forward(h, ctx)
-        return {"h": h.detach().to(torch.bfloat16)}
-
-    def decode_forward(self, payload: Payload, ctx: LinkContext, shape) -> torch.Tensor:
-        if self.direction == "forward":
-            return super().decode_forward(payload, ctx, shape)
-        return payload["h"].to(torch.float32).reshape(shape)
-
-    def encode_backward(self, g: torch.Tensor, ctx: LinkContext) -> Payload:
-        if self.direction == "backward":
-            return super().encode_backward(g, ctx)
-        return {"g": g.detach().to(torch.bfloat16)}
-
-    def decode_backward(self, payload: Payload, ctx: LinkContext, shape) -> torch.Tensor:
-        if self.direction == "backward":
-            return super().decode_backward(payload, ctx, shape)
-        return payload["g"].to(torch.float32).reshape(shape)
-
-    def frame_bytes(self, tokens: int, hidden: int, direction: str, sequences: int = 0) -> int:
-        if direction == self.direction:
-            return super().frame_bytes(tokens, hidden, direction, sequences)
-        return tokens * 2 * hidden
 
 
 def grad_basis(grads: torch.Tensor, k: int) -> torch.Tensor:
