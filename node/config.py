@@ -206,12 +206,14 @@ class NodeConfig:
         choices=("mean", "median"),
         group=RUN,
     )  # lowrank: the forward's centre
-    lowrank_first_apart: bool = opt(
-        False,
-        help="lowrank codec: code each sequence's first position (a pretrained LM's attention sink, "
-        "~100x the others' norm) apart from the rest, so the basis and mean fit the other rows",
+    lowrank_first: str = opt(
+        "shared",
+        help="lowrank codec: each sequence's first position (a pretrained LM's attention sink, ~100x "
+        "the others' norm) in the frame's shared code, or apart in its own, so the shared basis and "
+        "mean fit the other rows (default: %(default)s)",
+        choices=("shared", "apart"),
         group=RUN,
-    )  # lowrank: the sink position in its own small code
+    )  # lowrank: the sink position in the shared code or its own
     calibration_tokens: int = opt(
         2048, help="tokens the run's starter uses to fit a basis codec (default: %(default)s)", group=RUN
     )  # tokens the run's starter uses to fit a basis codec

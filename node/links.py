@@ -66,7 +66,7 @@ def codec_settings(cfg: NodeConfig, model=None) -> dict:
             kw["tiers"] = kw["backward_tiers"] = parse_tiers(cfg.lowrank_tiers)
         if cfg.lowrank_centre != "mean":
             kw["centre"] = cfg.lowrank_centre
-        if cfg.lowrank_first_apart:
+        if cfg.lowrank_first == "apart":
             kw["first_apart"] = True
     elif name in ("topk", "bottleneck"):
         kw = {"k": k}

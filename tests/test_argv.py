@@ -154,11 +154,11 @@ def test_lowrank_tiers_flag_is_checked_and_reaches_the_codec():
     ).frame_bytes(2048, 576, "forward")
 
 
-def test_lowrank_first_apart_flag_reaches_the_codec():
+def test_lowrank_first_flag_reaches_the_codec():
     from compression.registry import make_codec
     from node.links import codec_settings
 
-    desc = codec_settings(_parse(["--lowrank-first-apart"]))
+    desc = codec_settings(_parse(["--lowrank-first", "apart"]))
     assert desc["first_apart"] is True
-    assert "first_apart" not in codec_settings(_parse([]))
+    assert "first_apart" not in codec_settings(_parse(["--lowrank-first", "shared"]))
     assert make_codec(desc.pop("codec"), **desc).first_apart
