@@ -254,13 +254,6 @@ VARIANTS: dict[str, Variant] = {
                 "basis_block": 32,
             },
         ),
-        # the default's forward (k = 80 at 8 bits), the backward as k = 128 at 4 bits with a scale
-        # per direction: 110.7 / 110.4 B/token at 2048-token frames (10.4x each way)
-        Variant(
-            "lowrank80b128x4",
-            "lowrank",
-            {"k": 80, "k_backward": 128, "backward_bits": 4, "basis_dtype": "int8", "basis_block": 32},
-        ),
         # a fixed full rotation per direction (activations: median-centred; gradients: their own),
         # the top directions of each frame coded at 8 / 4 / 2 bits (compression/tiered.py): 110 B of
         # codes per token, no per-frame basis

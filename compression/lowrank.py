@@ -191,12 +191,27 @@ class LowRankCodec(LinkCodec):
             csf = cs.to(torch.float32)
             q, scale = quantize_blockwise(c / torch.where(csf > 0, csf, 1.0), self.block, 4, self._sdtype)
             out.update(q4=pack_int4(q), scale=scale, cs=cs)
-        elif self.coeff_dtype == "int8":
-            q, scale = quantize_blockwise(c, self.block, 8, self._sdtype)
-            out.update(q=q, scale=scale)
         else:
-            out["c"] = c.to(WIRE_DTYPES[self.coeff_dtype]).contiguous()
+            out.update(self._plain_codes(c))
         return out
+
+    def _plain_codes(self, c: torch.Tensor) -> Payload:
+        """Coefficients in the configured dtype: int8 in blocks with scales, or the wire dtype."""
+        if self.coeff_dtype == "int8":
+            q, scale = quantize_blockwise(c, self.block, 8, self._sdtype)
+            return {"q": q, "scale": scale}
+        return {"c": c.to(WIRE_DTYPES[self.coeff_dtype]).contiguous()}
+
+    def _plain_values(self, payload: Payload) -> torch.Tensor:
+        if self.coeff_dtype == "int8":
+            return dequantize_blockwise(payload["q"], payload["scale"], self.block)
+        return payload["c"].to(torch.float32)
+
+    def _plain_bytes(self, k: int) -> float:
+        """Bytes per row of ``_plain_codes`` for k coefficients."""
+        if self.coeff_dtype == "int8":
+            return float(k + math.ceil(k / self.block) * self._sdtype.itemsize)
+        return float(k * WIRE_DTYPES[self.coeff_dtype].itemsize)
 
     def _decode(self, payload: Payload, direction: str) -> torch.Tensor:
         vt = self._basis_of(payload, direction)
@@ -213,10 +228,8 @@ class LowRankCodec(LinkCodec):
                 raise ValueError(f"direction scales {tuple(cs.shape)} do not match {vt.shape[0]} directions")
             q = unpack_int4(payload["q4"], vt.shape[0])
             c = dequantize_blockwise(q, payload["scale"], self.block) * cs.to(torch.float32)
-        elif self.coeff_dtype == "int8":
-            c = dequantize_blockwise(payload["q"], payload["scale"], self.block)
         else:
-            c = payload["c"].to(torch.float32)
+            c = self._plain_values(payload)
         return c @ vt
 
     # ---- the interface -----------------------------------------------------------------------
@@ -261,12 +274,7 @@ class LowRankCodec(LinkCodec):
         mean = rows.mean(dim=0).to(self._bdtype)
         centred = rows - mean.to(torch.float32)
         sub, vt = self._basis(centred, min(FIRST_K, rows.shape[0]))
-        c = centred @ vt.T
-        if self.coeff_dtype == "int8":
-            q, scale = quantize_blockwise(c, self.block, 8, self._sdtype)
-            sub.update(q=q, scale=scale)
-        else:
-            sub["c"] = c.to(WIRE_DTYPES[self.coeff_dtype]).contiguous()
+        sub.update(self._plain_codes(centred @ vt.T))
         return {"f_mean": mean.contiguous()} | {"f_" + n: v for n, v in sub.items()}
 
     def _first_names(self) -> tuple[str, ...]:
@@ -282,11 +290,9 @@ class LowRankCodec(LinkCodec):
         c = sub["q"] if self.coeff_dtype == "int8" else sub["c"]
         if tuple(mean.shape) != (hidden,) or tuple(vt.shape) != (k, hidden) or tuple(c.shape) != (b, k):
             raise ValueError(f"lowrank first positions do not match {b} sequences of width {hidden}")
-        if self.coeff_dtype == "int8":
-            if tuple(sub["scale"].shape) != (b, math.ceil(k / self.block)):
-                raise ValueError("lowrank first positions' codes and scales do not match")
-            c = dequantize_blockwise(c, sub["scale"], self.block)
-        return c.to(torch.float32) @ vt + mean.to(torch.float32)
+        if self.coeff_dtype == "int8" and tuple(sub["scale"].shape) != (b, math.ceil(k / self.block)):
+            raise ValueError("lowrank first positions' codes and scales do not match")
+        return self._plain_values(sub) @ vt + mean.to(torch.float32)
 
     def encode_backward(self, g: torch.Tensor, ctx: LinkContext) -> Payload:
         return self._encode(g.detach().reshape(-1, g.shape[-1]).to(torch.float32), "backward")
@@ -301,9 +307,7 @@ class LowRankCodec(LinkCodec):
         k = self._k(direction, hidden)
         if direction == "backward" and self.backward_bits == 4:
             return float(math.ceil(k / 2) + math.ceil(k / self.block) * self._sdtype.itemsize)
-        if self.coeff_dtype == "int8":
-            return float(k + math.ceil(k / self.block) * self._sdtype.itemsize)
-        return float(k * WIRE_DTYPES[self.coeff_dtype].itemsize)
+        return self._plain_bytes(k)
 
     def _basis_bytes(self, k: int, hidden: int) -> int:
         if self.basis_dtype == "int8":
@@ -318,11 +322,11 @@ class LowRankCodec(LinkCodec):
         first = 0
         if direction == "forward" and self.first_apart and 0 < sequences < tokens:
             ks = min(FIRST_K, sequences)
-            first = hidden * self._bdtype.itemsize + self._basis_bytes(ks, hidden)
-            if self.coeff_dtype == "int8":
-                first += sequences * (ks + math.ceil(ks / self.block) * self._sdtype.itemsize)
-            else:
-                first += sequences * ks * WIRE_DTYPES[self.coeff_dtype].itemsize
+            first = (
+                hidden * self._bdtype.itemsize
+                + self._basis_bytes(ks, hidden)
+                + sequences * self._plain_bytes(ks)
+            )
             tokens -= sequences
         basis = self._basis_bytes(k, hidden) + first
         extra = hidden * self._bdtype.itemsize if direction == "forward" else 0  # the mean
