@@ -86,6 +86,21 @@ def dequantize_blockwise(q: torch.Tensor, scale: torch.Tensor, block: int) -> to
     return (qp * scale.to(torch.float32).unsqueeze(-1)).view(t, nb * block)[:, :n]
 
 
+def encode_coeffs(c: torch.Tensor, coeff_dtype: str, block: int, scale_dtype: torch.dtype) -> Payload:
+    """Basis coefficients as sent: int8 in blocks of ``block`` with scales, or in a wire dtype."""
+    if coeff_dtype == "int8":
+        q, scale = quantize_blockwise(c, block, 8, scale_dtype)
+        return {"q": q, "scale": scale}
+    return {"c": c.to(WIRE_DTYPES[coeff_dtype]).contiguous()}
+
+
+def decode_coeffs(payload: Payload, coeff_dtype: str, block: int) -> torch.Tensor:
+    """The fp32 coefficients of ``encode_coeffs``' payload."""
+    if coeff_dtype == "int8":
+        return dequantize_blockwise(payload["q"], payload["scale"], block)
+    return payload["c"].to(torch.float32)
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Pack int8 values in [-7, 7] (T, n) two per byte: (T, ceil(n/2)) uint8.
 

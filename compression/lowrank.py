@@ -22,7 +22,14 @@ import math
 
 import torch
 
-from compression.baselines import dequantize_blockwise, pack_int4, quantize_blockwise, unpack_int4
+from compression.baselines import (
+    decode_coeffs,
+    dequantize_blockwise,
+    encode_coeffs,
+    pack_int4,
+    quantize_blockwise,
+    unpack_int4,
+)
 from compression.codec import WIRE_DTYPES, LinkCodec, LinkContext, Payload
 from compression.tiered import (
     check_tiers,
@@ -196,16 +203,10 @@ class LowRankCodec(LinkCodec):
         return out
 
     def _plain_codes(self, c: torch.Tensor) -> Payload:
-        """Coefficients in the configured dtype: int8 in blocks with scales, or the wire dtype."""
-        if self.coeff_dtype == "int8":
-            q, scale = quantize_blockwise(c, self.block, 8, self._sdtype)
-            return {"q": q, "scale": scale}
-        return {"c": c.to(WIRE_DTYPES[self.coeff_dtype]).contiguous()}
+        return encode_coeffs(c, self.coeff_dtype, self.block, self._sdtype)
 
     def _plain_values(self, payload: Payload) -> torch.Tensor:
-        if self.coeff_dtype == "int8":
-            return dequantize_blockwise(payload["q"], payload["scale"], self.block)
-        return payload["c"].to(torch.float32)
+        return decode_coeffs(payload, self.coeff_dtype, self.block)
 
     def _plain_bytes(self, k: int) -> float:
         """Bytes per row of ``_plain_codes`` for k coefficients."""

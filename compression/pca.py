@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from compression.baselines import dequantize_blockwise, quantize_blockwise
+from compression.baselines import decode_coeffs, encode_coeffs
 from compression.codec import WIRE_DTYPES, LinkCodec, LinkContext, Payload
 
 COEFF_DTYPES = ("int8", "bfloat16", "float32")
@@ -282,15 +282,10 @@ class PcaCodec(VersionedState, LinkCodec):
     # ---- coefficients -----------------------------------------------------------------------
 
     def _pack(self, c: torch.Tensor) -> Payload:
-        if self.coeff_dtype == "int8":
-            q, scale = quantize_blockwise(c, self.block, 8, self._sdtype)
-            return {"q": q, "scale": scale}
-        return {"c": c.to(WIRE_DTYPES[self.coeff_dtype]).contiguous()}
+        return encode_coeffs(c, self.coeff_dtype, self.block, self._sdtype)
 
     def _unpack(self, payload: Payload) -> torch.Tensor:
-        if self.coeff_dtype == "int8":
-            return dequantize_blockwise(payload["q"], payload["scale"], self.block)
-        return payload["c"].to(torch.float32)
+        return decode_coeffs(payload, self.coeff_dtype, self.block)
 
     def encode_forward(self, h: torch.Tensor, ctx: LinkContext) -> Payload:
         rows = h.detach().reshape(-1, h.shape[-1]).to(torch.float32)
