@@ -23,6 +23,7 @@ where they did not.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,7 @@ from bench.quality import (
 )
 from compression.codec import LinkCodec, LinkContext, payload_nbytes
 from node.data import collate, tokenize
+from node.links import loss_rows
 from node.model import load_model
 
 
@@ -79,10 +81,12 @@ def _step(model, pipe, ids, labels, codecs, forward: bool, meter: dict):
     """Answer logits and each stage's flattened parameter gradient, the codecs on one direction."""
     model.zero_grad(set_to_none=True)
 
+    rows = loss_rows(labels)
+
     def link(b: int, h: torch.Tensor) -> torch.Tensor:
         c = codecs[b]
         ctx = c.link_context() if calibrated(c) else LinkContext()
-        return _Probe.apply(h, c, ctx, forward, meter)
+        return _Probe.apply(h, c, replace(ctx, loss_rows=rows), forward, meter)
 
     logits, tgt = pipe.answer_logits(ids, labels, link if codecs else None)[:2]
     answer_loss(logits, tgt).backward()

@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -53,6 +53,7 @@ from compression.registry import make_codec
 from compression.spectral import SpectralFilter, filter_gradients, is_target_matrix
 from compression.tiered import TieredCodec, fit_rotation
 from node.data import Example, arithmetic_example, collate, frame_full, ordering_example, tokenize
+from node.links import loss_rows
 from node.model import load_model
 from node.stages import IGNORE_INDEX, Stage, build_stage
 from protocol.frames import pack_labels
@@ -254,6 +255,20 @@ VARIANTS: dict[str, Variant] = {
                 "basis_block": 32,
             },
         ),
+        # lowrankt24-88a with the forward basis fitted by loss share: the rows the loss reads (the
+        # answer) weigh as much, together, as all the others (same bytes; sender-side only)
+        Variant(
+            "lowrankt24-88as",
+            "lowrank",
+            {
+                "tiers": ((24, 8), (88, 4)),
+                "backward_tiers": ((24, 8), (88, 4)),
+                "first_apart": True,
+                "loss_share": True,
+                "basis_dtype": "int8",
+                "basis_block": 32,
+            },
+        ),
         # a fixed full rotation per direction (activations: median-centred; gradients: their own),
         # the top directions of each frame coded at 8 / 4 / 2 bits (compression/tiered.py): 110 B of
         # codes per token, no per-frame basis
@@ -415,13 +430,19 @@ def answer_loss(logits: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.float(), tgt, reduction="mean")
 
 
-def make_links(codecs: list[LinkCodec], run_seed: int, step: int, microbatch: int = 0):
+def make_links(
+    codecs: list[LinkCodec], run_seed: int, step: int, microbatch: int = 0, labels: torch.Tensor | None = None
+):
+    """The links of one frame; with ``labels`` each link knows the rows the loss reads, as a node's
+    does from the labels its forward frames carry (evaluation passes none, as generation would)."""
+    rows = None if labels is None else loss_rows(labels)
+
     def link(b: int, h: torch.Tensor) -> torch.Tensor:
         c = codecs[b]
         seed = mask_seed(run_seed, step, microbatch, b)
         inner = c.inner if isinstance(c, Metered) else c
         ctx = inner.link_context(seed) if calibrated(inner) else LinkContext(seed=seed)
-        return apply_link(h, c, ctx)
+        return apply_link(h, c, replace(ctx, loss_rows=rows))
 
     return link
 
@@ -796,7 +817,8 @@ def run(
         links_used = dense_links if dense_now else codecs
         mode_counts["dense" if dense_now else "codec"] += 1
         ids, labels = collate([tokenize(tok, e, SEQ_LEN) for e in frames[step]], pad)
-        loss = answer_loss(*pipe.answer_logits(ids, labels, make_links(links_used, seed, step))[:2])
+        links = make_links(links_used, seed, step, labels=labels)
+        loss = answer_loss(*pipe.answer_logits(ids, labels, links)[:2])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         n_tok = ids.numel()

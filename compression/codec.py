@@ -14,7 +14,7 @@ dicts over the wire (``protocol.frames``) and the context fields in the frame he
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,10 +34,15 @@ class LinkContext:
     ``seed`` is the 64-bit mask seed (derived from run seed, step, microbatch and boundary);
     codecs that need no randomness ignore it. ``basis_version`` names the fixed basis a
     basis codec encoded with, so that a receiver never decodes with the wrong one.
+    ``loss_rows`` (bool, the frame's leading shape, or None) marks the positions whose output the
+    loss reads; both ends know it from the labels every forward frame carries, so it costs no
+    header byte. A sender may spend its bytes where they matter to the loss; decoding never
+    depends on it.
     """
 
     seed: int = 0
     basis_version: int = 0
+    loss_rows: torch.Tensor | None = field(default=None, compare=False)
 
 
 class LinkCodec(ABC):

@@ -267,6 +267,21 @@ def describe_export(info: dict, out: str) -> str:
     return line
 
 
+def resolve_defaults(args: argparse.Namespace) -> None:
+    """The run flags whose default depends on others, filled in where the user left them unset."""
+    if args.outer_every is None:  # DiLoCo rounds by default; SCAPE syncs every step instead
+        args.outer_every = 0 if args.dp == "scape" else _CFG_DEFAULTS["outer_every"]
+    if args.microbatch_tokens is None:  # by the device: only the run's first node's counts
+        from node.devices import default_microbatch_tokens, pick_device
+
+        args.microbatch_tokens = default_microbatch_tokens(pick_device(args.device))
+    from node.links import lowrank_layout
+
+    for name, value in lowrank_layout(args.microbatch_tokens).items():  # by the frames it sends
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -277,12 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("hivemind", "transformers", "httpx", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING if not args.verbose else logging.INFO)
     if args.cmd in ("join", "swarm"):
-        if args.outer_every is None:  # DiLoCo rounds by default; SCAPE syncs every step instead
-            args.outer_every = 0 if args.dp == "scape" else _CFG_DEFAULTS["outer_every"]
-        if args.microbatch_tokens is None:  # by the device: only the run's first node's counts
-            from node.devices import default_microbatch_tokens, pick_device
-
-            args.microbatch_tokens = default_microbatch_tokens(pick_device(args.device))
+        resolve_defaults(args)
         try:
             check_run_flags(args)
         except FlagError as e:

@@ -196,9 +196,11 @@ class NodeConfig:
         "",
         help="lowrank codec: coefficient tiers of falling precision, both directions, as DIRSxBITS,... "
         "(e.g. 24x8,88x4: 112 directions for the bytes of 80 at 8 bits; bits 8, 4 or 2); overrides "
-        "--codec-k; empty = --codec-k directions at 8 bits (default: %(default)s)",
+        "--codec-k; empty = --codec-k directions at 8 bits (default: 24x8,88x4 with --microbatch-tokens "
+        ">= 2048, else empty)",
         group=RUN,
-    )  # lowrank: more directions at fewer bits past the first few dozen
+        resolved=True,
+    )  # lowrank: more directions at fewer bits past the first few dozen; node.links.lowrank_layout
     lowrank_centre: str = opt(
         "mean",
         help="lowrank codec: the forward's per-frame centre; median keeps a pretrained LM's few "
@@ -210,10 +212,20 @@ class NodeConfig:
         "shared",
         help="lowrank codec: each sequence's first position (a pretrained LM's attention sink, ~100x "
         "the others' norm) in the frame's shared code, or apart in its own, so the shared basis and "
-        "mean fit the other rows (default: %(default)s)",
+        "mean fit the other rows (default: apart with --microbatch-tokens >= 2048, else shared)",
         choices=("shared", "apart"),
         group=RUN,
-    )  # lowrank: the sink position in the shared code or its own
+        resolved=True,
+    )  # lowrank: the sink position in the shared code or its own; node.links.lowrank_layout
+    lowrank_fit: str = opt(
+        "all",
+        help="lowrank codec: the rows the forward's basis is fitted to: all alike, or loss-share (the "
+        "positions the loss reads, e.g. a fine-tuning answer, weighted to half the fit; no extra bytes) "
+        "(default: loss-share with --microbatch-tokens >= 2048, else all)",
+        choices=("all", "loss-share"),
+        group=RUN,
+        resolved=True,
+    )  # lowrank: where the forward's basis spends its directions; node.links.lowrank_layout
     calibration_tokens: int = opt(
         2048, help="tokens the run's starter uses to fit a basis codec (default: %(default)s)", group=RUN
     )  # tokens the run's starter uses to fit a basis codec

@@ -16,7 +16,7 @@ import torch
 from compression.codec import LinkCodec, LinkContext
 from compression.prf import mask_seed
 from node.basis import BasisUnavailable
-from node.links import Link
+from node.links import Link, loss_rows
 from node.stages import IGNORE_INDEX
 from protocol.frames import (
     LABEL_TENSORS,
@@ -128,7 +128,7 @@ class LinkIO:
         """The FORWARD frame carrying this stage's output ``y`` on (compute thread)."""
         codec = self.link_out.for_step(step)
         seed = mask_seed(self.run.seed, step, mb, self.index)
-        ctx = LinkContext(seed=seed, basis_version=codec.version or 0)
+        ctx = LinkContext(seed=seed, basis_version=codec.version or 0, loss_rows=loss_rows(labels))
         if codec.carries_tokens:  # subspace: k numbers + the token id per position
             if token_ids is None:
                 raise LinkError("the subspace link needs the microbatch's token ids")

@@ -8,11 +8,14 @@ periodic clean step baseline); both ends then expect either codec, named in the 
 
 from __future__ import annotations
 
+import torch
+
 from compression.codec import DenseCodec, LinkCodec
 from compression.mask import is_dense_step
 from compression.registry import make_codec
 from compression.tiered import check_tiers
 from node.config import NodeConfig
+from node.stages import IGNORE_INDEX
 from protocol.records import RunRecord
 
 # --codec-k 0: each codec's own k. lowrank 80: the most directions whose per-frame basis keeps
@@ -20,6 +23,25 @@ from protocol.records import RunRecord
 # at H = 576), and the first k that reached 0.9x dense on the word task there (0.740 vs 0.820;
 # k = 64, 13.2x: 0.645; bench/results/quality.md); pca 96: the fixed basis's measured default.
 DEFAULT_K = {"lowrank": 80, "pca": 96, "topk": 96, "bottleneck": 96}
+
+
+# The lowrank layout a new run gets for the frames its starter sends (the flags it leaves unset).
+# Long frames (a GPU starter's 2048 tokens): 112 directions in two tiers (24 at 8 bits, 88 at 4),
+# each sequence's first position (the attention sink) coded apart, and the forward's basis fitted
+# by loss share, at 109.8 B/token per direction on the bundled model (10.5x below dense bf16):
+# the best learner measured at >= 10x (bench/results/quality.md, tenth section). Short frames (a
+# CPU starter's --microbatch examples, ~136 tokens in `make demo`): 80 directions at 8 bits and
+# position 0 in the shared code, since there a 112-direction basis and the sinks' own code cost
+# more per token than they save.
+LONG_FRAME_TOKENS = 2048
+LONG_FRAME_LAYOUT = {"lowrank_tiers": "24x8,88x4", "lowrank_first": "apart", "lowrank_fit": "loss-share"}
+SHORT_FRAME_LAYOUT = {"lowrank_tiers": "", "lowrank_first": "shared", "lowrank_fit": "all"}
+
+
+def lowrank_layout(microbatch_tokens: int) -> dict[str, str]:
+    """The lowrank flags' defaults for a run whose microbatches are packed to ``microbatch_tokens``
+    (0: a fixed number of examples, i.e. short frames)."""
+    return dict(LONG_FRAME_LAYOUT if microbatch_tokens >= LONG_FRAME_TOKENS else SHORT_FRAME_LAYOUT)
 
 
 def codec_settings(cfg: NodeConfig, model=None) -> dict:
@@ -68,11 +90,22 @@ def codec_settings(cfg: NodeConfig, model=None) -> dict:
             kw["centre"] = cfg.lowrank_centre
         if cfg.lowrank_first == "apart":
             kw["first_apart"] = True
+        if cfg.lowrank_fit == "loss-share":
+            kw["loss_share"] = True
     elif name in ("topk", "bottleneck"):
         kw = {"k": k}
     else:
         kw = {}
     return make_codec(name, **kw).describe()
+
+
+def loss_rows(labels: torch.Tensor) -> torch.Tensor:
+    """The positions whose output the loss reads (bool, labels' shape): those whose next token is
+    labelled (a causal LM's output at t predicts t + 1). A forward frame's labels travel with it,
+    so every hop knows these rows without a byte more (``LinkContext.loss_rows``)."""
+    rows = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
+    rows[..., :-1] = labels[..., 1:] != IGNORE_INDEX
+    return rows
 
 
 def parse_tiers(text: str) -> tuple[tuple[int, int], ...]:

@@ -263,3 +263,70 @@ def test_first_apart_malformed_payloads_are_refused():
     for payload in bad:
         with pytest.raises(ValueError):
             c.decode_forward(payload, CTX, tuple(x.shape))
+
+
+def _answer_frame(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(20, 25, 64) rows: the prompt's bulk in 12 directions of falling scale (4 to 0.25); the rows
+    the loss reads (the last 3 positions of each sequence: 12% of the frame) add 2 directions of
+    their own at scale 1.5, as an answer carries what the prompt's bulk does not. And their mask."""
+    g = torch.Generator().manual_seed(seed)
+    basis = torch.linalg.qr(torch.randn(64, 14, generator=g))[0].T
+    x = torch.randn(20 * 25, 12, generator=g) @ (basis[:12] * torch.linspace(4.0, 0.25, 12)[:, None]) + 1.5
+    read = torch.zeros(20, 25, dtype=torch.bool)
+    read[:, -3:] = True
+    flat = read.reshape(-1)
+    x[flat] += torch.randn(int(flat.sum()), 2, generator=g) @ basis[12:] * 1.5
+    return x.reshape(20, 25, 64), read
+
+
+def _row_errors(codec: LowRankCodec, x: torch.Tensor, ctx: LinkContext) -> torch.Tensor:
+    y = codec.decode_forward(codec.encode_forward(x, ctx), CTX, tuple(x.shape))  # receiver: no mask
+    return (y - x).norm(dim=-1) / (x - 1.5).norm(dim=-1)
+
+
+def test_loss_share_spends_the_basis_on_the_rows_the_loss_reads():
+    """k = 12 directions for 14: fitted to all rows alike, the bulk takes them all and the answer
+    rows lose their own two (0.13 error each); with the loss rows given half the fit, those two
+    displace the bulk's quietest and the answer rows' error halves (0.06), the bulk's stays small."""
+    x, read = _answer_frame(30)
+    ctx = LinkContext(loss_rows=read)
+    plain = _row_errors(LowRankCodec(k=12, basis_dtype="int8", basis_block=32), x, ctx)
+    share = _row_errors(LowRankCodec(k=12, basis_dtype="int8", basis_block=32, loss_share=True), x, ctx)
+    assert float(share[read].median()) < 0.5 * float(plain[read].median())
+    assert float(share[~read].median()) < 0.1
+
+
+@pytest.mark.parametrize("first_apart", [False, True])
+def test_loss_share_is_exact_inside_the_subspace_and_costs_no_byte(first_apart):
+    """Any positive weighting of rank-k rows spans the same subspace: exact in fp32, same bytes."""
+    if first_apart:
+        x = _with_first(6, 10, 64, 31)  # rank 8 past position 0, rank 3 at it
+    else:
+        x = (_low_rank(60, 64, 8, 31) + torch.randn(64)).reshape(6, 10, 64)
+    read = torch.zeros(6, 10, dtype=torch.bool)
+    read[:, 7:] = True
+    c = LowRankCodec(
+        k=8, coeff_dtype="float32", basis_dtype="float32", loss_share=True, first_apart=first_apart
+    )
+    p = c.encode_forward(x, LinkContext(loss_rows=read))
+    assert torch.allclose(c.decode_forward(p, CTX, tuple(x.shape)), x, rtol=1e-4, atol=1e-2)
+    assert payload_nbytes(p) == c.frame_bytes(60, 64, "forward", sequences=6)
+
+
+def test_loss_share_changes_nothing_where_all_rows_or_none_are_read():
+    """Pretraining (every row read), generation (no labels), a frame without answer rows: the fit
+    is the plain one, bit for bit."""
+    x, _ = _answer_frame(32)
+    plain = LowRankCodec(k=12, basis_dtype="int8", basis_block=32)
+    share = LowRankCodec(k=12, basis_dtype="int8", basis_block=32, loss_share=True)
+    ref = plain.encode_forward(x, CTX)
+    for rows in (None, torch.ones(20, 25, dtype=torch.bool), torch.zeros(20, 25, dtype=torch.bool)):
+        got = share.encode_forward(x, LinkContext(loss_rows=rows))
+        assert got.keys() == ref.keys() and all(torch.equal(got[n], ref[n]) for n in ref)
+
+
+def test_loss_share_refuses_a_mask_of_another_frame():
+    x, read = _answer_frame(33)
+    c = LowRankCodec(k=12, loss_share=True)
+    with pytest.raises(ValueError, match="loss rows"):
+        c.encode_forward(x, LinkContext(loss_rows=read[:, :-1]))
