@@ -228,6 +228,13 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def _codec_settings(args) -> dict | None:
+    """The link the run's starter published (as its run record has it); subspace's needs the model."""
+    from node.links import codec_settings
+
+    return None if args.codec == "subspace" else codec_settings(config_from_args(args))
+
+
 def run_swarm(args) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # same clean stop as Ctrl-C
     if args.nodes < args.stages:
@@ -283,6 +290,7 @@ def run_swarm(args) -> int:
         run_id=run_id,
         model=args.model,
         codec=args.codec,
+        codec_settings=_codec_settings(args),
         elapsed_s=time.monotonic() - t_start,
     )
     model_line = ""
