@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -429,7 +429,8 @@ class EmulatedLinkCodec(LinkCodec):
         sizes[PROBE_B * (PROBE_T - 1)] = b * (t - 1)  # lowrank first_apart: the rows after position 0
         first = {PROBE_B: b, min(FIRST_K, PROBE_B): min(FIRST_K, b), width: hidden}  # and position 0's
         out = {}
-        for name, x in enc(probe, ctx).items():
+        # the layout is the frame's shape's alone: a fit by the loss rows (of the real frame) moves no byte
+        for name, x in enc(probe, replace(ctx, loss_rows=None)).items():
             new = tuple((first if name.startswith("f_") else sizes).get(d, d) for d in x.shape)
             n = math.prod(new)
             flat = x.reshape(-1)

@@ -33,6 +33,7 @@ from pathlib import Path
 from bench.netns import NetnsUnavailable, Topology, check_support, leftover_namespaces, parse_rate
 from node.argv import config_to_argv
 from node.config import NodeConfig
+from node.links import LONG_FRAME_LAYOUT, lowrank_layout
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -151,8 +152,12 @@ def join_command(
         batch_tokens=a.batch_tokens,
         seed=a.seed,
         lr=a.lr,
+        # the lowrank layout a GPU starter's frames get (these nodes run on a CPU, which would
+        # resolve the short-frame one)
+        **lowrank_layout(a.microbatch * a.seq_len),
     )
     pinned = ("model", "stages", "codec", "mask_rate", "wire_dtype", "seq_len", "microbatch", "batch_tokens")
+    pinned += tuple(LONG_FRAME_LAYOUT)
     cmd = [sys.executable, "-m", "node", "join", *config_to_argv(cfg, always=(*pinned, "seed", "lr"))]
     cmd += shlex.split(a.node_args or "")
     if peers:

@@ -254,6 +254,17 @@ def _real_and_emulated(name: str, **kw):
         ("pca", {"k": 32, "coeff_dtype": "int8"}),
         ("lowrank", {"k": 16, "coeff_dtype": "int8"}),
         ("lowrank", {"k": 16, "basis_dtype": "int8", "basis_block": 32, "first_apart": True}),
+        (  # the long-frame default layout (node.links.lowrank_layout)
+            "lowrank",
+            {
+                "tiers": ((6, 8), (10, 4)),
+                "backward_tiers": ((6, 8), (10, 4)),
+                "first_apart": True,
+                "loss_share": True,
+                "basis_dtype": "int8",
+                "basis_block": 32,
+            },
+        ),
     ],
 )
 def test_emulated_link_sends_the_real_codecs_layout(name, kw):
@@ -265,7 +276,9 @@ def test_emulated_link_sends_the_real_codecs_layout(name, kw):
 
     real, emu = _real_and_emulated(name, **kw)
     shape = (3, 40, 512)
-    ctx = LinkContext(seed=7, basis_version=3 if name == "pca" else 0)
+    read = torch.zeros(shape[:2], dtype=torch.bool)
+    read[:, 30:] = True  # the answer's rows: a loss-share fit must not change the layout
+    ctx = LinkContext(seed=7, basis_version=3 if name == "pca" else 0, loss_rows=read)
     h = torch.randn(shape)
     for direction in ("forward", "backward"):
         enc_r = real.encode_forward if direction == "forward" else real.encode_backward
