@@ -134,15 +134,15 @@ class LowRankCodec(LinkCodec):
         # known to both ends from the frame's shape, so no index travels.
         self.first_apart = bool(first_apart)
         # The forward's basis (and mean) fitted with the rows the loss reads (``LinkContext.
-        # loss_rows``) given as much weight, all together, as all the other rows. Why: in fine-tuning
-        # the loss reads a few positions (the answer: 7-15% of a frame's rows), and a basis fitted
-        # to all rows alike spends its directions on the prompt's bulk; on one 2048-token frame of
-        # each task this cuts the answer logits' KL by a third at the same bytes (word 0.028 ->
-        # 0.018, ordering 0.024 -> 0.015, arithmetic 0.0069 -> 0.0060; bench/results/quality.md,
-        # tenth section), while the other rows' error grows by a tenth. The context rows keep half
-        # the say, since the answer attends to them (fitted to the answer rows alone, KL is 8x worse).
-        # A sender-side choice: the receiver decodes the same payload; frames where every row or
-        # none is read (pretraining, generation) are fitted as before.
+        # loss_rows``) given as much weight, all together, as all the other rows. Why it was tried:
+        # in fine-tuning the loss reads a few positions (the answer: 7-15% of a frame's rows), and a
+        # basis fitted to all rows alike spends its directions on the prompt's bulk; on one
+        # 2048-token frame of each task it cuts the answer logits' KL by a third at the same bytes.
+        # Measured over 100 steps it learns worse (word EM 0.690 / 0.680 on two seeds against
+        # 0.765 / 0.735 without it; bench/results/quality.md, tenth section), so it is off by
+        # default: the step-0 KL on the answer is the wrong proxy for what the downstream stages
+        # learn from the context rows. A sender-side choice: the receiver decodes the same payload;
+        # frames where every row or none is read (pretraining, generation) are fitted as before.
         self.loss_share = bool(loss_share)
         self.k, self.coeff_dtype, self.block = int(k), coeff_dtype, int(block)
         # The backward's own k. Why: a pretrained model's boundary activations are nearly rank-k

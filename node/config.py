@@ -220,12 +220,11 @@ class NodeConfig:
     lowrank_fit: str = opt(
         "all",
         help="lowrank codec: the rows the forward's basis is fitted to: all alike, or loss-share (the "
-        "positions the loss reads, e.g. a fine-tuning answer, weighted to half the fit; no extra bytes) "
-        "(default: loss-share with --microbatch-tokens >= 2048, else all)",
+        "positions the loss reads, e.g. a fine-tuning answer, weighted to half the fit; no extra bytes; "
+        "learnt the word task worse in 100-step runs, bench/results/quality.md) (default: %(default)s)",
         choices=("all", "loss-share"),
         group=RUN,
-        resolved=True,
-    )  # lowrank: where the forward's basis spends its directions; node.links.lowrank_layout
+    )  # lowrank: where the forward's basis spends its directions
     calibration_tokens: int = opt(
         2048, help="tokens the run's starter uses to fit a basis codec (default: %(default)s)", group=RUN
     )  # tokens the run's starter uses to fit a basis codec

@@ -173,20 +173,22 @@ def _resolved(argv: list[str]) -> NodeConfig:
 
 
 def test_lowrank_layout_follows_the_frames_the_starter_sends():
-    """Long frames (a GPU starter's 2048 tokens) get tiers, the sink apart and the loss-share fit,
-    >= 10x below dense bf16 per direction at the bundled model's width with every basis byte;
-    short frames keep the plain 80 directions; a flag the user gives wins."""
+    """Long frames (a GPU starter's 2048 tokens) get tiers and the sink apart, >= 10x below dense
+    bf16 per direction at the bundled model's width with every basis byte; short frames keep the
+    plain 80 directions; a flag the user gives wins."""
     from compression.registry import make_codec
     from node.links import codec_settings
 
     long = codec_settings(_resolved(["--microbatch-tokens", "2048"]))
     assert long["tiers"] == long["backward_tiers"] == [[24, 8], [88, 4]]
-    assert long["first_apart"] is True and long["loss_share"] is True
+    assert long["first_apart"] is True and "loss_share" not in long
     codec = make_codec(long.pop("codec"), **long)
     for direction in ("forward", "backward"):  # a word frame: 70 sequences of 29 positions
         assert codec.frame_bytes(70 * 29, 576, direction, sequences=70) / (70 * 29) <= 2 * 576 / 10
     short = codec_settings(_resolved(["--microbatch-tokens", "0"]))
     assert short == codec_settings(NodeConfig()) and short["k"] == 80
     assert not {"tiers", "first_apart", "loss_share"} & set(short)
-    mine = codec_settings(_resolved(["--microbatch-tokens", "2048", "--lowrank-first", "shared"]))
-    assert "first_apart" not in mine and mine["loss_share"] is True
+    mine = codec_settings(
+        _resolved(["--microbatch-tokens", "2048", "--lowrank-first", "shared", "--lowrank-fit", "loss-share"])
+    )
+    assert "first_apart" not in mine and mine["loss_share"] is True and mine["tiers"] == long["tiers"]

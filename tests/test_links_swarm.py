@@ -49,7 +49,7 @@ def links_tmp(tmp_path_factory):
 @pytest.fixture(scope="module")
 def default_run(links_tmp):
     # no --codec: the default a GPU starter gets, microbatches packed to 2048 tokens, so the long-frame
-    # lowrank layout (node.links.lowrank_layout: tiers 24x8,88x4, position 0 apart, loss-share fit)
+    # lowrank layout (node.links.lowrank_layout: tiers 24x8,88x4, position 0 apart)
     return _swarm(links_tmp, "default", "--microbatch-tokens", "2048", codec=None)
 
 
@@ -101,7 +101,7 @@ def test_default_swarm_trains_and_counts_what_the_benchmark_counts(default_run):
     loss = rep["loss"]
     assert sum(loss[-3:]) / 3 < 0.9 * sum(loss[:3]) / 3
     published = rep["codec_settings"]  # what the run record carried: the long-frame layout
-    assert published["tiers"] == [[24, 8], [88, 4]] and published["first_apart"] and published["loss_share"]
+    assert published["tiers"] == [[24, 8], [88, 4]] and published["first_apart"]
     tiers = ((24, 8), (88, 4))
     codec = make_codec(
         "lowrank", tiers=tiers, backward_tiers=tiers, first_apart=True, basis_dtype="int8", basis_block=32
