@@ -439,12 +439,8 @@ class EmulatedLinkCodec(LinkCodec):
 
     def _encode(self, direction: str, x: torch.Tensor, ctx: LinkContext) -> Payload:
         payload = self.template(direction, tuple(x.shape), ctx)
-        rows = x.shape[0] * x.shape[1]
-        _sleep(
-            codec_gpu_seconds(
-                self.codec_id, "encode", rows, x.shape[-1], payload_nbytes(payload), self.gpu, self.k
-            )
-        )
+        rows, k = x.shape[0] * x.shape[1], self._k(payload)
+        _sleep(codec_gpu_seconds(self.codec_id, "encode", rows, x.shape[-1], payload_nbytes(payload), self.gpu, k))
         return dict(payload)
 
     def _decode(
@@ -457,10 +453,15 @@ class EmulatedLinkCodec(LinkCodec):
         rows = shape[0] * shape[1]
         _sleep(
             codec_gpu_seconds(
-                self.codec_id, "decode", rows, shape[-1], payload_nbytes(payload), self.gpu, self.k
+                self.codec_id, "decode", rows, shape[-1], payload_nbytes(payload), self.gpu, self._k(payload)
             )
         )
         return standin(tuple(shape))
+
+    def _k(self, payload: Payload) -> int:
+        """Directions projected onto: a per-frame basis' rows (lowrank, tiers included), else k."""
+        basis = payload.get("vq", payload.get("v"))
+        return int(basis.shape[0]) if basis is not None else self.k
 
     def encode_forward(self, h: torch.Tensor, ctx: LinkContext) -> Payload:
         return self._encode("forward", h, ctx)
