@@ -440,7 +440,8 @@ class EmulatedLinkCodec(LinkCodec):
     def _encode(self, direction: str, x: torch.Tensor, ctx: LinkContext) -> Payload:
         payload = self.template(direction, tuple(x.shape), ctx)
         rows, k = x.shape[0] * x.shape[1], self._k(payload)
-        _sleep(codec_gpu_seconds(self.codec_id, "encode", rows, x.shape[-1], payload_nbytes(payload), self.gpu, k))
+        nbytes = payload_nbytes(payload)
+        _sleep(codec_gpu_seconds(self.codec_id, "encode", rows, x.shape[-1], nbytes, self.gpu, k))
         return dict(payload)
 
     def _decode(
