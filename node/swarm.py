@@ -25,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from node.argv import config_from_args, config_to_argv
+from node.links import LONG_FRAME_LAYOUT
 from node.membership import parent_death_signal
 from node.report import build_report, plot_eval, plot_link_rates, plot_loss
 
@@ -62,7 +63,9 @@ def node_command(
         circuit=circuit,
         peers=list(peers),
     )
-    return [sys.executable, "-m", "node", "join", *config_to_argv(cfg)]
+    # the lowrank layout as the launcher resolved it: a flag given at its dataclass default (e.g.
+    # --lowrank-first shared at 2048-token frames) would otherwise be left out and resolved anew
+    return [sys.executable, "-m", "node", "join", *config_to_argv(cfg, always=tuple(LONG_FRAME_LAYOUT))]
 
 
 def spawn_node(

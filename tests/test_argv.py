@@ -192,3 +192,29 @@ def test_lowrank_layout_follows_the_frames_the_starter_sends():
         _resolved(["--microbatch-tokens", "2048", "--lowrank-first", "shared", "--lowrank-fit", "loss-share"])
     )
     assert "first_apart" not in mine and mine["loss_share"] is True and mine["tiers"] == long["tiers"]
+
+
+def test_swarm_nodes_keep_the_layout_the_launcher_resolved():
+    """``swarm --microbatch-tokens 2048 --lowrank-first shared``: the flag equals the dataclass default,
+    yet each node must not resolve it anew to the long-frame 'apart'."""
+    from node.cli import resolve_defaults
+    from node.links import codec_settings
+
+    argv = [
+        "swarm",
+        "--nodes",
+        "2",
+        "--model",
+        "tiny:2",
+        "--microbatch-tokens",
+        "2048",
+        "--lowrank-first",
+        "shared",
+    ]
+    args = build_parser().parse_args(argv)
+    resolve_defaults(args)
+    cmd = node_command(args, 0, Path("/tmp/n0"), "rid", [])
+    node = build_parser().parse_args(cmd[3:])
+    resolve_defaults(node)
+    desc = codec_settings(config_from_args(node))
+    assert "first_apart" not in desc and desc["tiers"] == [[24, 8], [88, 4]]
