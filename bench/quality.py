@@ -161,6 +161,15 @@ class Variant:
 # 10 and not every step because each packet costs ~210 SVDs (~30 s on one CPU thread here).
 _AP = {"alpha": 0.3, "tau": 1e-3, "beta": 0.95, "S": 20, "every": 10, "tau_relative": False}
 
+# tiers 24x8 + 88x4 both ways, each sequence's first position apart: the node's long-frame default
+_T24_88A = {
+    "tiers": ((24, 8), (88, 4)),
+    "backward_tiers": ((24, 8), (88, 4)),
+    "first_apart": True,
+    "basis_dtype": "int8",
+    "basis_block": 32,
+}
+
 VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in [
@@ -244,31 +253,10 @@ VARIANTS: dict[str, Variant] = {
             {"k": 80, "basis_dtype": "int8", "basis_block": 32, "first_apart": True},
         ),
         # both: lowrankt24-88m's tiers in each direction, the first positions apart (mean centre)
-        Variant(
-            "lowrankt24-88a",
-            "lowrank",
-            {
-                "tiers": ((24, 8), (88, 4)),
-                "backward_tiers": ((24, 8), (88, 4)),
-                "first_apart": True,
-                "basis_dtype": "int8",
-                "basis_block": 32,
-            },
-        ),
+        Variant("lowrankt24-88a", "lowrank", _T24_88A),
         # lowrankt24-88a with the forward basis fitted by loss share: the rows the loss reads (the
         # answer) weigh as much, together, as all the others (same bytes; sender-side only)
-        Variant(
-            "lowrankt24-88as",
-            "lowrank",
-            {
-                "tiers": ((24, 8), (88, 4)),
-                "backward_tiers": ((24, 8), (88, 4)),
-                "first_apart": True,
-                "loss_share": True,
-                "basis_dtype": "int8",
-                "basis_block": 32,
-            },
-        ),
+        Variant("lowrankt24-88as", "lowrank", {**_T24_88A, "loss_share": True}),
         # a fixed full rotation per direction (activations: median-centred; gradients: their own),
         # the top directions of each frame coded at 8 / 4 / 2 bits (compression/tiered.py): 110 B of
         # codes per token, no per-frame basis
