@@ -83,7 +83,11 @@ class HopClient:
         for peer in gone_peers({p: st for p, (st, _) in self._gone.items()}, ctx.routes):
             self._gone.pop(peer)[1].set()  # its hops in flight give up; a later hop gets a fresh event
 
-    async def call_peer(self, peer: str, data: bytes, boundary: int) -> Frame:
+    async def call_peer(self, peer: str, data: bytes, boundary: int, tokens: int = 0) -> Frame:
+        """One hop: write ``data`` (a FORWARD frame of ``tokens`` tokens across ``boundary``) and
+        read the reply. The frame's bytes are counted once written, not while it waits its turn:
+        frames queued behind the bulk slots would otherwise count as sent before the link carried
+        them, and a busy answer or retry would count them twice."""
         ctx = self.ctx
         timeout = self.deadline(boundary)
         opened: list[asyncio.StreamWriter] = []
@@ -95,7 +99,8 @@ class HopClient:
                 except PeerUnreachable as e:
                     raise HopFailed(str(e)) from None
                 opened.append(writer)
-                await ctx.wire.send(writer, data, timeout)
+                sent = await ctx.wire.send(writer, data, timeout)
+                ctx.metrics.count_frame(boundary, "forward", sent, tokens)
             return await ctx.wire.recv(reader, MAX_FRAME_BYTES, timeout)
 
         # A cut link resets nothing: the hop would hang until its deadline (minutes for a long
@@ -174,9 +179,8 @@ class HopClient:
                     raise last
                 raise HopFailed(f"no live peer serves stage {nxt}", retry=False)
             tried.add(peer)
-            ctx.metrics.count_frame(ctx.index, "forward", len(data) + ctx.wire.overhead, tokens)
             try:
-                reply = await self.call_peer(peer, data, ctx.index)
+                reply = await self.call_peer(peer, data, ctx.index, tokens)
             except HopFailed as e:
                 last = e
                 if e.busy:  # alive and back soon: keep its route, try the others first

@@ -96,7 +96,7 @@ def test_a_hop_waits_out_replicas_that_are_all_busy_and_keeps_their_routes():
     client = _hop_client(routes)
     calls = []
 
-    async def call_peer(peer, data, boundary):
+    async def call_peer(peer, data, boundary, tokens=0):
         calls.append(peer)
         if len(calls) <= 4:  # both replicas busy, twice over
             raise HopFailed(f"{peer}: Busy: in an outer round", busy=True)
@@ -117,7 +117,7 @@ def test_a_hop_gives_up_after_two_failures_and_past_its_deadline_when_busy():
 
     from node.hop import HopFailed
 
-    async def refuse(peer, data, boundary):
+    async def refuse(peer, data, boundary, tokens=0):
         raise HopFailed(f"{peer} did not answer")
 
     client = _hop_client({p: StageRecord(ready=True) for p in ("QmA", "QmB", "QmC")})
@@ -126,7 +126,7 @@ def test_a_hop_gives_up_after_two_failures_and_past_its_deadline_when_busy():
         asyncio.run(client.send_downstream(b"x", 7, 1))
     assert len(client.ctx.routes[1]) == 1  # the two that failed are dropped until they heartbeat
 
-    async def busy(peer, data, boundary):
+    async def busy(peer, data, boundary, tokens=0):
         raise HopFailed(f"{peer}: Busy", busy=True)
 
     client = _hop_client({"QmA": StageRecord(ready=True)})
