@@ -5,7 +5,8 @@ backwards take turns on the link instead of overlapping (bench/results/linkprobe
 forward server of a tail-stage runtime (bench.fuzz.make_runtime, tiny:2) answers in-memory
 streams here: while every turn is taken its BACKWARD reply waits, an ERROR reply does not, and
 the reply goes out once a turn is free. Over real p2pd daemons, a hop (node.hop.HopClient) opens
-its stream only on its turn, and completes once it gets one.
+its stream only on its turn, counts its frame as sent only once written, and completes once it
+gets one.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import types
 
 from bench.fuzz import RUN_ID, FakeWriter, make_runtime, pack, prefixed, valid_body
 from node.hop import HANDLER, HopClient
+from node.metrics import Metrics
 from node.wire import BULK_SLOTS, Wire
 from protocol.frames import decode_frame
 
@@ -99,17 +101,22 @@ def test_a_hop_opens_its_stream_on_its_turn():
                 wire=Wire(),
                 n_stages=2,
                 compute=rt.compute,
+                metrics=Metrics(),
             )
             hops = HopClient(head, lambda data: decode_frame(data, run_id=RUN_ID, check_finite=False))
             for _ in range(BULK_SLOTS):
                 await head.wire.bulk(srv.peer_id.to_base58()).acquire()
             task = asyncio.ensure_future(hops.call_peer(srv.peer_id.to_base58(), frame, 0))
             done, _ = await asyncio.wait({task}, timeout=3.0)
-            # no stream yet: one opened now would sit idle and be closed at the handler's IDLE_S
+            # no stream yet: one opened now would sit idle and be closed at the handler's IDLE_S;
+            # nor is the frame counted as sent while it waits (the harness reads these counts)
             assert not done and not opened
+            assert not head.metrics.links
             head.wire.bulk(srv.peer_id.to_base58()).release()
             reply = await asyncio.wait_for(task, 30)
             assert reply.kind == "backward" and len(opened) == 1
+            sent = head.metrics.links[(0, "forward")]
+            assert (sent.frames, sent.bytes) == (1, len(frame) + head.wire.overhead)
         finally:
             await cli.shutdown()
             await srv.shutdown()
