@@ -290,6 +290,8 @@ VARIANTS: dict[str, Variant] = {
         # Labelled deviations: warm-up 10 steps (unstated), filter rank 32, a packet every 10 steps.
         Variant("paper-m95+ap", "mask", {"rate": 0.95}, warmup=10, lr=2e-5, anchor=dict(_AP, rank=32)),
         Variant("paper-m95", "mask", {"rate": 0.95}, warmup=10, lr=2e-5),
+        # their reference: dense at the same lr 2e-5 from the first step (the warm-up never ends)
+        Variant("paper-dense", "dense", {"wire_dtype": "bfloat16"}, lr=2e-5),
     ]
 }
 
