@@ -59,9 +59,10 @@ def _fmt_seeds(vals: list[float], fmt: str) -> str:
 
 
 def tables(runs: list[dict]) -> str:
-    by_task: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    # one row per variant and step count: a run stopped early (e.g. a warm-up alone) is its own row
+    by_task: dict[str, dict[tuple[str, int], list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in runs:
-        by_task[r["task"]][r["variant"]].append(r)
+        by_task[r["task"]][(r["variant"], r["steps"])].append(r)
     out = []
     for task, variants in by_task.items():
         steps = sorted({r["steps"] for vs in variants.values() for r in vs if r["steps"]})
@@ -70,14 +71,15 @@ def tables(runs: list[dict]) -> str:
             f"### Task `{task}` ({'/'.join(map(str, steps))} steps, {'/'.join(map(str, n_eval))} problems)\n"
         )
         out.append(
-            "| variant (codec+schedule) | seeds | payload B/token/boundary/dir | × fewer than dense | "
+            "| variant (codec+schedule) | steps | seeds | payload B/token/boundary/dir | × fewer than dense "
+            "| "
             "basis: one-time (+B/token over this run) | EM (user gets: dense eval) | EM, codec on | "
             "eval loss (dense) | eval loss, codec on | codec time | filter time | anchor B/token |"
         )
-        out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        names = sorted(variants, key=lambda n: ORDER.index(n) if n in ORDER else len(ORDER))
-        for name in names:
-            rs = sorted(variants[name], key=lambda r: r["seed"])
+        out.append("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        keys = sorted(variants, key=lambda k: (ORDER.index(k[0]) if k[0] in ORDER else len(ORDER), *k))
+        for name, n_steps in keys:
+            rs = sorted(variants[(name, n_steps)], key=lambda r: r["seed"])
             r0 = rs[0]
             basis = (
                 f"{r0['basis_bytes'] / 1e3:.0f} kB (+{r0['basis_bytes_per_token']:.1f})"
@@ -91,7 +93,8 @@ def tables(runs: list[dict]) -> str:
             sched = "" if r0["schedule"] == "none" else f" + {r0['schedule']}"
             desc = f"`{name}`: {r0['codec']} {_settings(r0)}{sched}"
             out.append(
-                f"| {desc} | {','.join(str(r['seed']) for r in rs)} | {r0['payload_bytes_per_token']:.1f} | "
+                f"| {desc} | {n_steps} | {','.join(str(r['seed']) for r in rs)} | "
+                f"{r0['payload_bytes_per_token']:.1f} | "
                 f"{r0['dense_bytes_per_token'] / r0['payload_bytes_per_token']:.1f}× | {basis} | "
                 f"{_fmt_seeds([r['em_dense_eval'] for r in rs], '.3f')} | "
                 f"{_fmt_seeds([r['em_codec_eval'] for r in rs], '.3f')} | "
