@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 # DESIGN.md §6/§7 reference run (outside the project: 100 steps, 200 problems, arithmetic).
@@ -58,23 +58,32 @@ def _fmt_seeds(vals: list[float], fmt: str) -> str:
     return f"{format(statistics.mean(vals), fmt)} ({' / '.join(format(v, fmt) for v in vals)})"
 
 
-def tables(runs: list[dict]) -> str:
-    # one row per variant and step count: a run stopped early (e.g. a warm-up alone) is its own row
-    by_task: dict[str, dict[tuple[str, int], list[dict]]] = defaultdict(lambda: defaultdict(list))
+def _by_variant_and_steps(runs: list[dict]) -> dict[tuple[str, int], list[dict]]:
+    """Runs grouped as seeds of one configuration: a run stopped early (e.g. a warm-up alone) is
+    its own group, never averaged with its longer run as if a second seed."""
+    groups: dict[tuple[str, int], list[dict]] = defaultdict(list)
     for r in runs:
-        by_task[r["task"]][(r["variant"], r["steps"])].append(r)
+        groups[(r["variant"], r["steps"])].append(r)
+    return groups
+
+
+def tables(runs: list[dict]) -> str:
+    by_task: dict[str, list[dict]] = defaultdict(list)
+    for r in runs:
+        by_task[r["task"]].append(r)
     out = []
-    for task, variants in by_task.items():
-        steps = sorted({r["steps"] for vs in variants.values() for r in vs if r["steps"]})
-        n_eval = sorted({r["eval_problems"] for vs in variants.values() for r in vs})
+    for task, task_runs in by_task.items():
+        variants = _by_variant_and_steps(task_runs)
+        steps = sorted({r["steps"] for r in task_runs if r["steps"]})
+        n_eval = sorted({r["eval_problems"] for r in task_runs})
         out.append(
             f"### Task `{task}` ({'/'.join(map(str, steps))} steps, {'/'.join(map(str, n_eval))} problems)\n"
         )
         out.append(
-            "| variant (codec+schedule) | steps | seeds | payload B/token/boundary/dir | × fewer than dense "
-            "| "
-            "basis: one-time (+B/token over this run) | EM (user gets: dense eval) | EM, codec on | "
-            "eval loss (dense) | eval loss, codec on | codec time | filter time | anchor B/token |"
+            "| variant (codec+schedule) | steps | seeds | payload B/token/boundary/dir | "
+            "× fewer than dense | basis: one-time (+B/token over this run) | "
+            "EM (user gets: dense eval) | EM, codec on | eval loss (dense) | eval loss, codec on | "
+            "codec time | filter time | anchor B/token |"
         )
         out.append("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         keys = sorted(variants, key=lambda k: (ORDER.index(k[0]) if k[0] in ORDER else len(ORDER), *k))
@@ -212,10 +221,10 @@ def plots(runs: list[dict], out: Path) -> list[Path]:
     fig, axes = plt.subplots(1, len(tasks), figsize=(7 * len(tasks), 5.2), squeeze=False)
     for ax, task in zip(axes[0], tasks):
         rs = [r for r in runs if r["task"] == task and r["steps"]]
-        groups: dict[str, list[dict]] = defaultdict(list)
-        for r in rs:
-            groups[r["variant"]].append(r)
-        for name, g in groups.items():
+        groups = _by_variant_and_steps(rs)
+        n_step_counts = Counter(name for name, _ in groups)
+        for (variant, n_steps), g in groups.items():
+            name = variant if n_step_counts[variant] == 1 else f"{variant} {n_steps} steps"
             x = g[0]["payload_bytes_per_token"]
             if g[0]["basis_bytes"]:  # the one-time basis, amortised over this short run's tokens
                 ax.plot(
@@ -228,9 +237,9 @@ def plots(runs: list[dict], out: Path) -> list[Path]:
                 )
             em = statistics.mean(r["em_dense_eval"] for r in g)
             emc = statistics.mean(r["em_codec_eval"] for r in g)
-            ref = name in ("dense", "m95", "m95+ap")
+            ref = variant in ("dense", "m95", "m95+ap")
             ax.scatter([x], [em], s=70 if ref else 40, marker="*" if ref else "o", zorder=3)
-            if name != "dense":
+            if variant != "dense":
                 ax.scatter([x], [emc], s=30, facecolors="none", edgecolors="k", zorder=3)
                 ax.plot([x, x], [em, emc], color="0.7", lw=0.8, zorder=1)
             ax.annotate(
