@@ -41,10 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from node.argv import config_from_args, config_to_argv
-from node.checkpoint import FAULT_ENV, list_checkpoints, load_checkpoint, newest_for_run
 from node.cli import build_parser
 from node.config import NodeConfig
-from node.swarm import (
+from node.local.launcher import (
     SwarmError,
     kill_group,
     poll_ready,
@@ -52,6 +51,7 @@ from node.swarm import (
     start_node,
     stop_nodes,
 )
+from node.model.checkpoint import FAULT_ENV, list_checkpoints, load_checkpoint, newest_for_run
 
 SAMPLE_S = 1.0
 PRE_KILL_S = 30.0  # window that defines a kill's pre-kill rate
@@ -629,7 +629,8 @@ def write_report(out: Path, opts, command: str, phases: list[Phase], res: dict) 
         "## Checkpoints",
         "",
         "Every checkpoint directory every node left (both runs) was verified (manifest digest, every file's "
-        "size and sha256) and loaded with `node.checkpoint.load_checkpoint` + `StageRuntime.restore` into a "
+        "size and sha256) and loaded with "
+        "`node.model.checkpoint.load_checkpoint` + `StageRuntime.restore` into a "
         "freshly built stage and AdamW (checks run id, stage and model hash).",
         "",
     ]

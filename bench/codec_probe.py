@@ -40,8 +40,8 @@ from bench.quality import (
 )
 from compression.baselines import dequantize_blockwise, quantize_blockwise
 from compression.pca import fit_basis
-from node.data import collate, tokenize
-from node.model import load_model
+from node.model.data import collate, tokenize
+from node.model.loading import load_model
 
 VARIANTS = [("pca", 96, 8), ("pca", 96, None), ("pca", 192, 4), ("pca", 192, None), ("tok", 96, 8),
             ("pca", 58, 8), ("tok", 58, 8)]  # fmt: skip

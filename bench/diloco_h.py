@@ -23,9 +23,9 @@ import torch
 
 from compression.outer import OuterNesterov, param_distance, pseudo_gradient
 from compression.powersgd import PowerSGD, bytes_for, simulate_round
-from node.data import ByteTokenizer, arithmetic_example, collate, tokenize
-from node.model import tiny_config
-from node.stages import causal_lm_loss
+from node.model.data import ByteTokenizer, arithmetic_example, collate, tokenize
+from node.model.loading import tiny_config
+from node.model.stages import causal_lm_loss
 
 
 def batches(seed: int, batch: int, tok):

@@ -47,7 +47,7 @@ from torch import nn
 
 from compression.codec import LinkCodec, LinkContext, Payload, payload_nbytes
 from compression.lowrank import FIRST_K
-from node.compute import Compute
+from node.stage.compute import Compute
 
 EMULATE = "emulate"
 DEFAULT_HIDDEN = 2048
@@ -200,7 +200,7 @@ class EmulatedLayer(nn.Module):
 class EmulatedHead(nn.Module):
     """Logits = the first VOCAB channels of the hidden state (no weights: the tail trains its layers').
 
-    ``weight`` is an empty buffer so node.stages' balancer and memory estimate, which read
+    ``weight`` is an empty buffer so node.model.stages' balancer and memory estimate, which read
     ``get_output_embeddings().weight.numel()``, see no lm_head cost (the stages split the layers
     evenly); the lm_head compute of a real 1B model is not emulated (see the report).
     """
@@ -229,7 +229,7 @@ class _Inner(nn.Module):
 
 
 class EmulatedCausalLM(nn.Module):
-    """Quacks like a transformers Llama for node.stages (model.model.layers, lm_head, config)."""
+    """Quacks like a transformers Llama for node.model.stages (model.model.layers, lm_head, config)."""
 
     def __init__(self, config):
         super().__init__()
@@ -478,7 +478,7 @@ class EmulatedLinkCodec(LinkCodec):
 
 
 def emulate_links(linkio, gpu_name: str) -> None:
-    """Wrap both links' codecs of a node.linkio.LinkIO in EmulatedLinkCodec."""
+    """Wrap both links' codecs of a node.stage.linkio.LinkIO in EmulatedLinkCodec."""
     gpu = GPUS[gpu_name]
     for link in (linkio.link_in, linkio.link_out):
         if link is None:

@@ -76,12 +76,12 @@ def make_runtime(hop_timeout: float = 2.0, codec: str = "dense", bans: bool = Fa
     every case (banning it would hide the replies under test).
     """
     from compression.pca import fit_basis
-    from node.bans import BanList
     from node.config import NodeConfig
-    from node.links import codec_settings
-    from node.model import load_model
+    from node.model.loading import load_model
+    from node.model.stages import build_stage
+    from node.net.bans import BanList
     from node.runtime import StageRuntime
-    from node.stages import build_stage
+    from node.stage.links import codec_settings
     from protocol.records import RunRecord
 
     ranges = [[0, 1], [1, 2]]

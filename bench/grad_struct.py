@@ -20,9 +20,9 @@ import torch
 from bench.quality import BATCH, HIDDEN, SEQ_LEN, Pipeline, answer_loss, step_frames, task_stream
 from compression.codec import LinkContext
 from compression.registry import make_codec
-from node.data import collate, tokenize
-from node.model import load_model
-from node.stages import IGNORE_INDEX
+from node.model.data import collate, tokenize
+from node.model.loading import load_model
+from node.model.stages import IGNORE_INDEX
 
 
 def energy_at(values: torch.Tensor, ks: tuple[int, ...]) -> dict[int, float]:

@@ -8,7 +8,7 @@ Each node runs `python -m node join` inside its own namespace (ns address, fixed
 starts the swarm, the others bootstrap from node 0's namespace address. Every node's veth is
 shaped with tc tbf at --rate on both ends (upload and download; netem is not in this kernel).
 The harness polls each node's --metrics-file, measures a steady window of --seconds after the
-first microbatch completes, builds report.json with node.report.build_report, appends one
+first microbatch completes, builds report.json with node.local.report.build_report, appends one
 entry per run to bench/results/harness.json, and always tears everything down (processes,
 namespaces, veths, bridge) on success, failure, Ctrl-C and SIGTERM.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 from bench.netns import NetnsUnavailable, Topology, check_support, leftover_namespaces, parse_rate
 from node.argv import config_to_argv
 from node.config import NodeConfig
-from node.links import LONG_FRAME_LAYOUT, lowrank_layout
+from node.stage.links import LONG_FRAME_LAYOUT, lowrank_layout
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -438,7 +438,7 @@ def hidden_size(a) -> int:
 
         return parse_spec(model_spec(a))[0]
     try:
-        from node.model import bundled_dir
+        from node.model.loading import bundled_dir
 
         path = bundled_dir() if model_spec(a) == "bundled" else Path(model_spec(a))
         return int(json.loads((path / "config.json").read_text())["hidden_size"])
@@ -542,7 +542,7 @@ class LinkCut:
 
 
 def run_one(a, v: Variant, topo: Topology, out: Path, data: Path, command: str) -> dict:
-    from node.report import build_report
+    from node.local.report import build_report
 
     rundir = out / (
         f"{v.label}-{round(topo.rate_bps / 1e6)}mbit-{a.mode}-rtt{round(2 * a.delay_ms)}-if{a.max_inflight}"

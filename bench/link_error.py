@@ -33,7 +33,7 @@ from compression.codec import LinkContext
 from compression.pca import PcaCodec
 from compression.prf import mask_seed
 from compression.registry import make_codec
-from node.model import load_model
+from node.model.loading import load_model
 
 NAMES = ["m95", "m90", "pca29bf16", "pca58i8", "pca96i8", "int4", "topk29"]
 

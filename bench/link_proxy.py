@@ -44,9 +44,9 @@ from bench.quality import (
     task_stream,
 )
 from compression.codec import LinkCodec, LinkContext, payload_nbytes
-from node.data import collate, tokenize
-from node.links import loss_rows
-from node.model import load_model
+from node.model.data import collate, tokenize
+from node.model.loading import load_model
+from node.stage.links import loss_rows
 
 
 class _Probe(torch.autograd.Function):

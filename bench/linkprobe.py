@@ -10,8 +10,8 @@ at RTT > 0, the harness's delay proxy in front of B. A sends N frames of S bytes
 
 * ``tcp``: one raw TCP connection, frames back to back (B acks each): the link's ceiling.
 * ``p2p``: hivemind P2P (its own p2pd) in each namespace, set up as the node's DHT sets up its
-  own; one libp2p stream per frame, as node/hop.py sends a FORWARD frame (node.rpc.open_stream,
-  node.wire); ``--streams`` frames in flight at a time, written at once or in turns (--writes).
+  own; one libp2p stream per frame, as node/stage/hop.py sends a FORWARD frame (node.net.rpc.open_stream,
+  node.net.wire); ``--streams`` frames in flight at a time, written at once or in turns (--writes).
 * ``--replies echo``: B answers each frame with one of its size, as a BACKWARD frame answers a
   FORWARD one, so both directions are busy (a pipeline stage's link); ``ack``: 2 bytes.
 
@@ -66,7 +66,7 @@ SEND, RECV, PROXY = 0, 1, 2  # process groups for the CPU accounting
 
 
 async def _tcp_recv(host: str, port: int) -> None:
-    from node.transport import read_message, write_message
+    from node.net.transport import read_message, write_message
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -85,7 +85,7 @@ async def _tcp_recv(host: str, port: int) -> None:
 
 
 async def _tcp_send(host: str, port: int) -> None:
-    from node.transport import read_message, write_message
+    from node.net.transport import read_message, write_message
 
     async def ping() -> None:
         reader, writer = await asyncio.open_connection(host, port)
@@ -165,7 +165,7 @@ def _reply(msg: bytes) -> bytes:
 
 
 def _p2p_kwargs() -> dict:
-    """P2P.create settings of the node's DHT (node/membership.py start_dht, NodeConfig defaults)."""
+    """P2P.create settings of the node's DHT (node/swarm/membership.py start_dht, NodeConfig defaults)."""
     from node.config import NodeConfig
 
     cfg = NodeConfig()
@@ -175,8 +175,8 @@ def _p2p_kwargs() -> dict:
 async def _p2p_recv(host: str, port: int, announce: str) -> None:
     from hivemind.p2p import P2P
 
-    from node.transport import close_quietly
-    from node.wire import IDLE_S, Wire
+    from node.net.transport import close_quietly
+    from node.net.wire import IDLE_S, Wire
     from protocol.frames import MalformedFrame
 
     wire = Wire()
@@ -190,7 +190,7 @@ async def _p2p_recv(host: str, port: int, announce: str) -> None:
 
     async def handle(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         first = True
-        try:  # as node/server.py reads a FORWARD frame: an inactivity deadline, not a total one
+        try:  # as node/stage/server.py reads a FORWARD frame: an inactivity deadline, not a total one
             while True:  # a persistent stream (--writes persist) carries frame after frame
                 try:
                     msg = await wire.recv(reader, 1 << 31, CASE_TIMEOUT_S, idle=IDLE_S if first else 3600)
@@ -223,9 +223,9 @@ async def _p2p_recv(host: str, port: int, announce: str) -> None:
 async def _p2p_send(peer_maddr: str) -> None:
     from hivemind.p2p import P2P
 
-    from node.rpc import open_stream
-    from node.transport import close_quietly
-    from node.wire import Wire
+    from node.net.rpc import open_stream
+    from node.net.transport import close_quietly
+    from node.net.wire import Wire
 
     wire = Wire()
     p2p = await P2P.create(initial_peers=[peer_maddr], **_p2p_kwargs())
@@ -233,7 +233,7 @@ async def _p2p_send(peer_maddr: str) -> None:
 
     async def call(data: bytes, sending: asyncio.Semaphore | None = None) -> None:
         # serial: the stream opens once it is this frame's turn, since a receiver closes a
-        # stream that sent nothing for IDLE_S (node/wire.py), and the turn may take longer
+        # stream that sent nothing for IDLE_S (node/net/wire.py), and the turn may take longer
         async with sending or contextlib.nullcontext():
             reader, writer = await open_stream(p2p, peer, HANDLER, CASE_TIMEOUT_S)
             try:

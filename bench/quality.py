@@ -52,10 +52,10 @@ from compression.prf import mask_seed
 from compression.registry import make_codec
 from compression.spectral import SpectralFilter, filter_gradients, is_target_matrix
 from compression.tiered import TieredCodec, fit_rotation
-from node.data import Example, arithmetic_example, collate, frame_full, ordering_example, tokenize
-from node.links import loss_rows
-from node.model import load_model
-from node.stages import IGNORE_INDEX, Stage, build_stage
+from node.model.data import Example, arithmetic_example, collate, frame_full, ordering_example, tokenize
+from node.model.loading import load_model
+from node.model.stages import IGNORE_INDEX, Stage, build_stage
+from node.stage.links import loss_rows
 from protocol.frames import pack_labels
 
 RANGES = [[0, 8], [8, 16], [16, 23], [23, 30]]
@@ -354,7 +354,7 @@ class Pipeline:
     in the whole model), plus a body-only copy of the tail for last-position generation."""
 
     # One shared tied tensor trained on the sum of its embedding and lm_head gradients is what the
-    # swarm reproduces across processes (node.tied: the head and the tail add each other's gradient
+    # swarm reproduces across processes (node.dp.tied: the head and the tail add each other's gradient
     # every step, run record ``tied: true``). The clip differs: global here; per stage in the swarm,
     # the tied tensor by its own norm.
 
@@ -723,7 +723,7 @@ def git_commit() -> str:
 
 def step_frames(stream, tok, steps: int, frame_tokens: int) -> list[list[Example]]:
     """Each step's examples: BATCH of them, or with ``frame_tokens`` T one frame as the node
-    sends it (``node.data.microbatches``: whole examples cut to the sequence length, right-padded
+    sends it (``node.model.data.microbatches``: whole examples cut to the sequence length, right-padded
     to the longest), as many examples as fit in T padded tokens (at least one)."""
     if not frame_tokens:
         return [[next(stream) for _ in range(BATCH)] for _ in range(steps)]

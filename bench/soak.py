@@ -38,9 +38,9 @@ import uuid
 from pathlib import Path
 
 from bench.chaos import Life, Phase, _bootstrap, _check_alive, _maddr, verify_checkpoints
-from node.checkpoint import newest_for_run
 from node.cli import build_parser
-from node.swarm import SwarmError, kill_group, poll_ready, spawn_node, start_node, stop_nodes
+from node.local.launcher import SwarmError, kill_group, poll_ready, spawn_node, start_node, stop_nodes
+from node.model.checkpoint import newest_for_run
 from protocol.records import run_record_ttl, stage_record_ttl
 
 LOSS_TAIL = 10  # a tail's loss at a sample: mean of its last this many step losses
@@ -699,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
     held = before = None
     failure = None
     try:
-        from node.swarm import prepare_eval
+        from node.local.launcher import prepare_eval
 
         if opts.eval:
             held, before = prepare_eval(swarm_args, root)  # the nodes train on the rest
@@ -736,11 +736,11 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "soak.json").write_text(json.dumps(doc, indent=1))  # first: the raw record survives a later bug
     if held and not failure:
-        from node.swarm import finish_model
+        from node.local.launcher import finish_model
 
         doc["eval"], line = finish_model(swarm_args, root, ph.run_id, held, before)
         print(line, flush=True)
-    from node.report import outer_summary
+    from node.local.report import outer_summary
 
     # the demo's own figure: outer models the nodes live at the end saved on SIGTERM
     doc["outer_final"] = outer_summary(

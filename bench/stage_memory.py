@@ -95,8 +95,8 @@ import json, sys, torch
 torch.set_num_threads(1)
 from node.config import NodeConfig
 from node.join import stage_memory, stages_that_fit
-from node.model import open_model
-from node.stages import default_stage_ranges
+from node.model.loading import open_model
+from node.model.stages import default_stage_ranges
 from protocol.records import RunRecord
 
 path, index, stages = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -190,7 +190,7 @@ Each row is a fresh process on the joiner's path of `node join`: config, memory 
 weightless skeleton, hash of the claimed stage's stored tensors, load of only that stage, one
 forward, and every weight read once (resident, as training makes it; an unread page of a
 memory-mapped tensor would not count). What training adds on top (gradients, AdamW moments,
-activations) is what the node's memory estimate (`node.devices.stage_memory_bytes`) counts and
+activations) is what the node's memory estimate (`node.model.devices.stage_memory_bytes`) counts and
 `--max-memory` checks before any weight is loaded: {res["stages"][0]["estimate"] / mb:.0f} MiB of
 weight+grad+AdamW state for stage 0.
 Baseline: a bare `import torch` process peaks at {bare / mb:.0f} MiB.

@@ -1,7 +1,7 @@
 """Pretraining from scratch on CPU: Subspace Networks at a 2-stage boundary, and SCAPE sparse DP.
 
 Part A (DESIGN.md 4.4): a small Llama-style byte-level model trained from scratch, dense
-against the subspace-constrained model (``node.subspace_model``) with k = H/4, H/8, H/16.
+against the subspace-constrained model (``node.model.subspace``) with k = H/4, H/8, H/16.
 The pipeline boundary after layer L/2 runs in-graph through the codec (``apply_link``):
 dense bf16 for the dense model, ``SubspaceCodec`` (bf16 coefficients + 2-byte ids) for the
 subspace models. Same init seed, same batches in the same order, same optimizer (AdamW) and
@@ -38,9 +38,9 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from compression.codec import DenseCodec, LinkContext, apply_link
 from compression.scape import ScapeReplicaSim
 from compression.subspace import SubspaceCodec
-from node.data import STDLIB_MODULES as MODULES
-from node.data import stdlib_docstrings
-from node.subspace_model import build_subspace_model
+from node.model.data import STDLIB_MODULES as MODULES
+from node.model.data import stdlib_docstrings
+from node.model.subspace import build_subspace_model
 
 CTX = LinkContext(seed=0)
 # part B variants: key -> (label, density, policy for unmasked coordinates, per-tensor quotas)

@@ -34,7 +34,7 @@ Bytes per token: forward 2(k+1) in bf16 with 2-byte ids, backward 2k (no ids nee
 
 Randomness: only explicit ``torch.Generator`` objects on the CPU, seeded from the run seed
 and a per-tensor domain tag; torch's global RNG is never read or advanced (the model
-builder, ``node.subspace_model.build_subspace_model``, forks it). The basis is computed in
+builder, ``node.model.subspace.build_subspace_model``, forks it). The basis is computed in
 float64 (QR with a sign convention that makes it unique) and rounded to float32, so peers get
 the same bits for the same seed and torch version. ``fingerprint`` hashes U and T so peers can
 check they agree.
@@ -267,7 +267,7 @@ class SubspaceCodec(LinkCodec):
 
 
 # --------------------------------------------------------------------------------------------
-# The constrained layers; node/subspace_model.py puts them into a Llama-style model
+# The constrained layers; node/model/subspace.py puts them into a Llama-style model
 # --------------------------------------------------------------------------------------------
 
 

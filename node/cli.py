@@ -40,7 +40,7 @@ def check_run_flags(a: argparse.Namespace) -> None:
     if a.lowrank_k_backward < 0:
         raise FlagError(f"--lowrank-k-backward must be >= 0 (0: --codec-k), got {a.lowrank_k_backward}")
     if a.lowrank_tiers:
-        from node.links import parse_tiers
+        from node.stage.links import parse_tiers
 
         try:
             parse_tiers(a.lowrank_tiers)
@@ -150,7 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_model_out_commands(sub) -> None:
-    """`export`, `eval`, `generate`: the trained model leaves the swarm (node/export.py, node/evaluate.py)."""
+    """`export`, `eval`, `generate`: the trained model leaves the swarm.
+
+    (node/swarm/export.py, node/model/evaluate.py)
+    """
     e = sub.add_parser(
         "export",
         help="write the swarm's model as one Hugging Face checkpoint, from live peers or checkpoints",
@@ -220,14 +223,14 @@ def add_swarm_model_out_args(s: argparse.ArgumentParser) -> None:
 
 def run_model_out_command(args) -> int:
     if args.cmd == "eval":
-        from node.evaluate import run_eval
+        from node.model.evaluate import run_eval
 
         return run_eval(args)
     if args.cmd == "generate":
-        from node.evaluate import run_generate
+        from node.model.evaluate import run_generate
 
         return run_generate(args)
-    from node.export import ExportError, export_from_checkpoints, export_from_peers
+    from node.swarm.export import ExportError, export_from_checkpoints, export_from_peers
 
     try:
         if args.peers:
@@ -272,10 +275,10 @@ def resolve_defaults(args: argparse.Namespace) -> None:
     if args.outer_every is None:  # DiLoCo rounds by default; SCAPE syncs every step instead
         args.outer_every = 0 if args.dp == "scape" else _CFG_DEFAULTS["outer_every"]
     if args.microbatch_tokens is None:  # by the device: only the run's first node's counts
-        from node.devices import default_microbatch_tokens, pick_device
+        from node.model.devices import default_microbatch_tokens, pick_device
 
         args.microbatch_tokens = default_microbatch_tokens(pick_device(args.device))
-    from node.links import lowrank_layout
+    from node.stage.links import lowrank_layout
 
     for name, value in lowrank_layout(args.microbatch_tokens).items():  # by the frames it sends
         if getattr(args, name) is None:
@@ -304,15 +307,15 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_join(config_from_args(args))
         if args.cmd == "swarm":
-            from node.swarm import run_swarm
+            from node.local.launcher import run_swarm
 
             return run_swarm(args)
         if args.cmd == "status":
-            from node.status import run_status
+            from node.swarm.status import run_status
 
             return run_status(args)
         if args.cmd == "health":
-            from node.health import run_health
+            from node.swarm.health import run_health
 
             return run_health(args.state_dir)
         if args.cmd == "keygen":
@@ -324,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd in ("export", "eval", "generate"):
             return run_model_out_command(args)
         if args.cmd == "prepare-model":
-            from node.model import prepare_bundled
+            from node.model.loading import prepare_bundled
 
             print(prepare_bundled())
             return 0

@@ -165,7 +165,7 @@ class NodeConfig:
         help="pca/lowrank/topk/bottleneck: coefficients or channels per token; 0 = the codec's own "
         "(lowrank 80, pca/topk/bottleneck 96) (default: %(default)s)",
         group=RUN,
-    )  # 0: node.links.DEFAULT_K for the codec
+    )  # 0: node.stage.links.DEFAULT_K for the codec
     pca_dtype: str = opt(
         "int8",
         help="pca/lowrank codecs: coefficient dtype; int8 uses per-block scales (default: %(default)s)",
@@ -200,7 +200,7 @@ class NodeConfig:
         ">= 2048, else empty)",
         group=RUN,
         resolved=True,
-    )  # lowrank: more directions at fewer bits past the first few dozen; node.links.lowrank_layout
+    )  # lowrank: more directions at fewer bits past the first few dozen; node.stage.links.lowrank_layout
     lowrank_centre: str = opt(
         "mean",
         help="lowrank codec: the forward's per-frame centre; median keeps a pretrained LM's few "
@@ -216,7 +216,7 @@ class NodeConfig:
         choices=("shared", "apart"),
         group=RUN,
         resolved=True,
-    )  # lowrank: the sink position in the shared code or its own; node.links.lowrank_layout
+    )  # lowrank: the sink position in the shared code or its own; node.stage.links.lowrank_layout
     lowrank_fit: str = opt(
         "all",
         help="lowrank codec: the rows the forward's basis is fitted to: all alike, or loss-share (the "
@@ -342,7 +342,7 @@ class NodeConfig:
         "0 on a CPU)",
         resolved=True,
         group=RUN,
-    )  # resolved in node.cli.main: node.devices.default_microbatch_tokens
+    )  # resolved in node.cli.main: node.model.devices.default_microbatch_tokens
     batch_tokens: int = run_opt(
         "batch_tokens",
         help="tokens a node accumulates before each inner optimizer step (default: %(default)s)",

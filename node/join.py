@@ -14,20 +14,31 @@ import zlib
 
 import torch
 
-from node.basis import (
+from node.config import NodeConfig, run_parts
+from node.dp.diloco import OuterSync
+from node.model.checkpoint import newest_for_run
+from node.model.data import ByteTokenizer, as_plain_text, load_examples, microbatches
+from node.model.devices import GIB, describe_memory, pick_device, stage_memory_bytes
+from node.model.loading import (
+    ModelSource,
+    combine_hashes,
+    open_model,
+    open_pretrain_model,
+    resolve_model_path,
+)
+from node.model.stages import default_stage_ranges
+from node.net.wire import Wire
+from node.runtime import StageRuntime
+from node.stage.basis import (
     BASIS_VERSION,
     BasisStore,
     BasisUnavailable,
     calibrate_rotations_stagewise,
     calibrate_stagewise,
 )
-from node.checkpoint import newest_for_run
-from node.config import NodeConfig, run_parts
-from node.data import ByteTokenizer, as_plain_text, load_examples, microbatches
-from node.devices import GIB, describe_memory, pick_device, stage_memory_bytes
-from node.diloco import OuterSync
-from node.links import build_codec, codec_settings
-from node.membership import (
+from node.stage.links import build_codec, codec_settings
+from node.stop_signal import StopRequest
+from node.swarm.membership import (
     JoinError,
     keep_run_record,
     publish_run_record,
@@ -39,12 +50,7 @@ from node.membership import (
     store_stage_record,
     store_stage_record_sync,
 )
-from node.model import ModelSource, combine_hashes, open_model, open_pretrain_model, resolve_model_path
-from node.routing import choose_stage
-from node.runtime import StageRuntime
-from node.stages import default_stage_ranges
-from node.stop_signal import StopRequest
-from node.wire import Wire
+from node.swarm.routing import choose_stage
 from protocol.auth import key_id, load_swarm_key
 from protocol.records import RunRecord, StageRecord
 
@@ -61,7 +67,7 @@ def new_run_record(cfg: NodeConfig, model, name: str, model_hash: str) -> RunRec
         stages=default_stage_ranges(model, cfg.stages),
         codec=codec_settings(cfg, model),
         **run_parts(cfg),  # the typed parts and the scalars, field by field (node.config)
-        # a tied model stays tied across stages: head and tail sum their gradients (node.tied)
+        # a tied model stays tied across stages: head and tail sum their gradients (node.dp.tied)
         tied=bool(getattr(model.config, "tie_word_embeddings", False)),
     )
 
@@ -356,7 +362,7 @@ def run_join(cfg: NodeConfig) -> int:
                     await runtime.serve(p2p)
                     if runtime.move_to is None or runtime.terminated:
                         return
-                    # moved (node.rebalance): the same DHT and p2p serve the new stage, after a claim
+                    # moved (node.swarm.rebalance): the same DHT and p2p serve the new stage, after a claim
                     # that others see at once, so no second replica moves there too
                     if outer is not None:
                         outer.shutdown()

@@ -21,8 +21,7 @@ import signal
 import time
 
 from compression.spectral import SpectralFilter
-from node.alive import ALIVE_HANDLER, handle_alive
-from node.anchors import (
+from node.dp.anchors import (
     ANCHOR_HANDLER,
     WEIGHTS_HANDLER,
     AnchorClient,
@@ -31,22 +30,23 @@ from node.anchors import (
     fast_peers_of_stage,
     pull_weights,
 )
-from node.basis import HANDLER as BASIS_HANDLER
-from node.context import StageContext
-from node.health import write_health
-from node.hop import HANDLER, HopClient
-from node.linkio import LinkIO
-from node.membership import store_stage_record
-from node.metrics import write_json_atomic
-from node.pipeline import Pipeline
-from node.rebalance import Rebalancer, choose_move, move_reason
-from node.scape import SCAPE_HANDLER, ScapeSync
-from node.server import ForwardServer
-from node.state import StageState
-from node.step import StepGate
+from node.dp.scape import SCAPE_HANDLER, ScapeSync
+from node.dp.tied import TIED_HANDLER, TiedExchange
+from node.net.alive import ALIVE_HANDLER, handle_alive
+from node.net.wire import raise_accept_backlog
+from node.stage.basis import HANDLER as BASIS_HANDLER
+from node.stage.context import StageContext
+from node.stage.hop import HANDLER, HopClient
+from node.stage.linkio import LinkIO
+from node.stage.metrics import write_json_atomic
+from node.stage.pipeline import Pipeline
+from node.stage.server import ForwardServer
+from node.stage.state import StageState
+from node.stage.step import StepGate
 from node.stop_signal import StopRequest
-from node.tied import TIED_HANDLER, TiedExchange
-from node.wire import raise_accept_backlog
+from node.swarm.health import write_health
+from node.swarm.membership import store_stage_record
+from node.swarm.rebalance import Rebalancer, choose_move, move_reason
 from protocol.records import STAGE_RECORD_BEATS, StageRecord
 
 log = logging.getLogger("node")
@@ -76,9 +76,9 @@ class Lifecycle:
     packet_sink: PacketSink | None
     scape: ScapeSync | None
     tied: TiedExchange | None
-    outer: object | None  # node.diloco.OuterSync
+    outer: object | None  # node.dp.diloco.OuterSync
     rebalancer: Rebalancer | None = None
-    # rebalancing (node.rebalance): the stages this node may move to (None: it stays), and the verdict
+    # rebalancing (node.swarm.rebalance): the stages this node may move to (None: it stays), and the verdict
     move_allowed: set[int] | None = None
     move_to: int | None = None  # set when the node left its stage to serve this one
     terminated = False  # SIGINT/SIGTERM: the process stops, whatever move_to says

@@ -2,14 +2,14 @@
 
 Which room a line belongs in:
 
-* ``node.pipeline``: the walk of one microbatch (head loop, serve forward, the rest of the hops)
-* ``node.compute``: the worker thread; all tensor work, codec math and frame (de)serialisation
-* ``node.linkio``: the two links; frames built, validated, encoded, decoded; bases
-* ``node.hop``: choose a peer, call, retry, watch for peers that left; the routes
-* ``node.server``: the forward stream handler, bans, error mapping, byte counting, reply first
-* ``node.step``: the step gate, the accumulator, the step strategies (AdamW, SCAPE, anchor)
-* ``node.state``: checkpoints of the stateful parts; ``node.metrics``; ``node.lifecycle``
-* ``node.context``: what all of them share (run, stage, transport, routes, step counter)
+* ``node.stage.pipeline``: the walk of one microbatch (head loop, serve forward, the rest of the hops)
+* ``node.stage.compute``: the worker thread; all tensor work, codec math and frame (de)serialisation
+* ``node.stage.linkio``: the two links; frames built, validated, encoded, decoded; bases
+* ``node.stage.hop``: choose a peer, call, retry, watch for peers that left; the routes
+* ``node.stage.server``: the forward stream handler, bans, error mapping, byte counting, reply first
+* ``node.stage.step``: the step gate, the accumulator, the step strategies (AdamW, SCAPE, anchor)
+* ``node.stage.state``: checkpoints of the stateful parts; ``node.stage.metrics``; ``node.lifecycle``
+* ``node.stage.context``: what all of them share (run, stage, transport, routes, step counter)
 
 This module only builds them and wires them together.
 """
@@ -21,21 +21,21 @@ import time
 import torch
 
 from compression.spectral import SpectralFilter
-from node.anchors import AnchorClient, PacketSink, WeightServer
-from node.compute import Compute
 from node.config import NodeConfig
-from node.context import StageContext
-from node.hop import HANDLER, HopClient, HopFailed, gone_peers
+from node.dp.anchors import AnchorClient, PacketSink, WeightServer
+from node.dp.scape import ScapeSync
+from node.dp.tied import TiedExchange, tied_parameter
 from node.lifecycle import Lifecycle
-from node.linkio import LinkIO
-from node.metrics import Metrics
-from node.pipeline import Pipeline
-from node.scape import ScapeSync
-from node.server import ForwardServer
-from node.stages import Stage
-from node.state import StageState
-from node.step import AdamWStep, AnchorStep, Busy, StepGate, Stepper
-from node.tied import TiedExchange, tied_parameter
+from node.model.stages import Stage
+from node.stage.compute import Compute
+from node.stage.context import StageContext
+from node.stage.hop import HANDLER, HopClient, HopFailed, gone_peers
+from node.stage.linkio import LinkIO
+from node.stage.metrics import Metrics
+from node.stage.pipeline import Pipeline
+from node.stage.server import ForwardServer
+from node.stage.state import StageState
+from node.stage.step import AdamWStep, AnchorStep, Busy, StepGate, Stepper
 from protocol.records import RunRecord
 
 __all__ = ["HANDLER", "Busy", "HopFailed", "StageRuntime", "gone_peers"]
@@ -95,7 +95,7 @@ class StageRuntime(Lifecycle):
             emulate_links(self.linkio, emulated)
         self.hops = HopClient(ctx, self.linkio.parse)
         self.maddrs: list[str] = []
-        self.outer = outer  # node.diloco.OuterSync when the run averages replicas
+        self.outer = outer  # node.dp.diloco.OuterSync when the run averages replicas
         self.anchor = self.filter = self.weight_server = self.packet_sink = self.scape = self.tied = None
         a = run.anchor
         if cfg.circuit == "anchor":

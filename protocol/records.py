@@ -80,10 +80,10 @@ class RunRecord:
     protocol: int = PROTOCOL_VERSION
     key_id: str = ""  # fingerprint of the swarm key frames must be signed with ("" = open swarm)
     # content hash of each stage's config + tensors as stored; model_hash combines them, so a node
-    # verifies only the stage it serves (node.model.ModelSource.stage_hash)
+    # verifies only the stage it serves (node.model.loading.ModelSource.stage_hash)
     stage_hashes: list[str] = field(default_factory=list)
     # the model ties its input embedding to lm_head and the run keeps the head's and the tail's
-    # copies tied: they sum their gradients of it every inner step (node.tied)
+    # copies tied: they sum their gradients of it every inner step (node.dp.tied)
     tied: bool = False
 
     def to_dict(self) -> dict:

@@ -11,7 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture
 def tiny_model():
-    from node.model import load_model
+    from node.model.loading import load_model
 
     return load_model("tiny:4", seed=0)[0]
 

@@ -7,8 +7,8 @@ import types
 import pytest
 
 from bench.fuzz import FakeWriter, make_runtime, pack, prefixed, valid_body
-from node.bans import BanList
-from node.wire import Wire
+from node.net.bans import BanList
+from node.net.wire import Wire
 from protocol.auth import sign
 from protocol.frames import decode_frame
 

@@ -16,11 +16,11 @@ import types
 import pytest
 
 from bench.fuzz import RUN_ID, make_runtime, pack, valid_body
-from node import alive
-from node.alive import ALIVE_HANDLER, handle_alive
-from node.hop import HANDLER, HopClient, HopFailed
-from node.metrics import Metrics
-from node.wire import Wire
+from node.net import alive
+from node.net.alive import ALIVE_HANDLER, handle_alive
+from node.net.wire import Wire
+from node.stage.hop import HANDLER, HopClient, HopFailed
+from node.stage.metrics import Metrics
 from protocol.frames import decode_frame
 
 SLOW_S = 3.0  # the tail answers this long after the frame arrives

@@ -10,7 +10,7 @@ import pytest
 from node.argv import config_from_args, config_to_argv, flag_of
 from node.cli import build_parser
 from node.config import NodeConfig
-from node.swarm import node_command
+from node.local.launcher import node_command
 
 # every flag join had before its flags were built from the fields (users' scripts pass them)
 JOIN_FLAGS_BEFORE = """
@@ -140,7 +140,7 @@ def test_swarm_node_command_carries_the_swarm_settings():
 def test_lowrank_tiers_flag_is_checked_and_reaches_the_codec():
     from compression.registry import make_codec
     from node.cli import FlagError, check_run_flags
-    from node.links import codec_settings
+    from node.stage.links import codec_settings
 
     args = build_parser().parse_args(["join", "--lowrank-tiers", "24x3,88x4"])
     with pytest.raises(FlagError, match="--lowrank-tiers '24x3,88x4': expected DIRSxBITS"):
@@ -156,7 +156,7 @@ def test_lowrank_tiers_flag_is_checked_and_reaches_the_codec():
 
 def test_lowrank_first_flag_reaches_the_codec():
     from compression.registry import make_codec
-    from node.links import codec_settings
+    from node.stage.links import codec_settings
 
     desc = codec_settings(_parse(["--lowrank-first", "apart"]))
     assert desc["first_apart"] is True
@@ -177,7 +177,7 @@ def test_lowrank_layout_follows_the_frames_the_starter_sends():
     bf16 per direction at the bundled model's width with every basis byte; short frames keep the
     plain 80 directions; a flag the user gives wins."""
     from compression.registry import make_codec
-    from node.links import codec_settings
+    from node.stage.links import codec_settings
 
     long = codec_settings(_resolved(["--microbatch-tokens", "2048"]))
     assert long["tiers"] == long["backward_tiers"] == [[24, 8], [88, 4]]
@@ -198,7 +198,7 @@ def test_swarm_nodes_keep_the_layout_the_launcher_resolved():
     """``swarm --microbatch-tokens 2048 --lowrank-first shared``: the flag equals the dataclass default,
     yet each node must not resolve it anew to the long-frame 'apart'."""
     from node.cli import resolve_defaults
-    from node.links import codec_settings
+    from node.stage.links import codec_settings
 
     argv = [
         "swarm",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from node.bans import BanList
+from node.net.bans import BanList
 
 
 def test_threshold_within_window_bans_then_expires():

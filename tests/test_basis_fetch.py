@@ -1,4 +1,4 @@
-"""A basis fetch passes over a holder that no longer serves bases (node/basis.py).
+"""A basis fetch passes over a holder that no longer serves bases (node/stage/basis.py).
 
 Found by a soak run (bench/soak.py): a late joiner picked, among the basis holders in the DHT,
 the peer that had just left on SIGTERM (its handlers removed, its record not yet expired).
@@ -11,7 +11,7 @@ import asyncio
 
 import torch
 
-from node.basis import HANDLER, BasisStore, digest
+from node.stage.basis import HANDLER, BasisStore, digest
 
 
 def test_fetch_skips_a_holder_without_the_handler(monkeypatch):
@@ -41,7 +41,7 @@ def test_fetch_skips_a_holder_without_the_handler(monkeypatch):
                 return [(str(gone.peer_id), want), (str(good.peer_id), want)]
 
             client.holders = holders
-            monkeypatch.setattr("node.basis.random.shuffle", lambda xs: None)
+            monkeypatch.setattr("node.stage.basis.random.shuffle", lambda xs: None)
             got = await asyncio.wait_for(client._download(0, 1), 60)
             assert digest(got) == want and client.bytes_fetched > 0
         finally:

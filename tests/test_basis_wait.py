@@ -1,4 +1,4 @@
-"""A node that joins while the run's starter is still calibrating waits for the basis (node/linkio.py).
+"""A node that joins while the run's starter is still calibrating waits for the basis (node/stage/linkio.py).
 
 The starter prints the join command, then calibrates every boundary (~40 s for the bundled model on
 a CPU) before it announces a basis; a joiner that started in between used to exit at once with
@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from node.basis import BasisUnavailable
-from node.linkio import LinkIO
+from node.stage.basis import BasisUnavailable
+from node.stage.linkio import LinkIO
 from protocol.records import RunRecord
 
 
@@ -40,7 +40,7 @@ def _linkio() -> LinkIO:
 
 
 def test_joiner_waits_for_a_basis_that_is_announced_late(monkeypatch):
-    monkeypatch.setattr("node.linkio.BASIS_POLL_S", 0.01)
+    monkeypatch.setattr("node.stage.linkio.BASIS_POLL_S", 0.01)
     io = _linkio()
     io.bases = _LateStore(announce_after=3)
     asyncio.run(io.install_bases(wait_s=5.0))
@@ -48,7 +48,7 @@ def test_joiner_waits_for_a_basis_that_is_announced_late(monkeypatch):
 
 
 def test_joiner_gives_up_after_the_wait_with_one_line(monkeypatch):
-    monkeypatch.setattr("node.linkio.BASIS_POLL_S", 0.01)
+    monkeypatch.setattr("node.stage.linkio.BASIS_POLL_S", 0.01)
     io = _linkio()
     io.bases = _LateStore(announce_after=10**9)
     with pytest.raises(BasisUnavailable, match="after 0s") as e:

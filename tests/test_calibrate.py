@@ -1,4 +1,4 @@
-"""The run's starter fits the PCA link bases one stage at a time (``node.basis.calibrate_stagewise``),
+"""The run's starter fits the PCA link bases one stage at a time (``node.stage.basis.calibrate_stagewise``),
 with the same result as running the whole model through transformers."""
 
 import gc
@@ -7,8 +7,8 @@ import weakref
 import torch
 
 from compression.pca import fit_basis
-from node.basis import calibrate_stagewise, real_tokens
-from node.model import open_model
+from node.model.loading import open_model
+from node.stage.basis import calibrate_stagewise, real_tokens
 from tests.test_loading import _save, _whole
 
 RANGES = [[0, 1], [1, 3], [3, 4]]
@@ -73,7 +73,7 @@ def test_stagewise_rotations_equal_the_whole_models_activations_and_gradients(tm
     tail), against transformers' whole model: its hidden states and autograd's gradients of its
     own loss at each boundary."""
     from compression.tiered import fit_rotation
-    from node.basis import calibrate_rotations_stagewise
+    from node.stage.basis import calibrate_rotations_stagewise
 
     path = _save("llama-tied", tmp_path / "ckpt")
     source = open_model(str(path))

@@ -17,7 +17,7 @@ import torch
 
 from compression.outer import GaslocOuter, OuterNesterov
 from compression.spectral import SpectralFilter
-from node.checkpoint import (
+from node.model.checkpoint import (
     FAULT_ENV,
     MANIFEST,
     WEIGHTS_FILE,
@@ -153,7 +153,7 @@ def _save(tmp_path, step, value=0.0, **kw):
 _CHILD = textwrap.dedent(
     """
     import sys, torch
-    from node.checkpoint import save_checkpoint
+    from node.model.checkpoint import save_checkpoint
     save_checkpoint(sys.argv[1], stage_state={"w": torch.full((64, 64), 2.0)},
                     optimizer_state={"state": {}, "param_groups": []}, counters={"inner_step": 20})
     print("finished", flush=True)

@@ -6,8 +6,8 @@ import signal
 import time
 
 from node.cli import build_parser
-from node.report import build_report
-from node.swarm import read_metrics, start_node, stop_nodes, tail_steps
+from node.local.launcher import read_metrics, start_node, stop_nodes, tail_steps
+from node.local.report import build_report
 from tests.conftest import wait_for
 
 

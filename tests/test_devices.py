@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from node.config import NodeConfig
-from node.devices import GIB, pick_device, stage_memory_bytes
 from node.join import stages_that_fit
+from node.model.devices import GIB, pick_device, stage_memory_bytes
 
 
 def test_cuda_request_falls_back_to_cpu_with_a_message(caplog, monkeypatch):
@@ -45,7 +45,7 @@ def test_max_memory_limits_the_stages_a_node_claims():
 def test_state_estimate_is_what_adamw_allocates(device, dtype):
     """Weights, grads and AdamW moments as torch allocates them in the dtype a node loads on that
     device (counted on the CPU: the bytes, not the device, are checked)."""
-    from node.model import weight_dtype
+    from node.model.loading import weight_dtype
 
     assert weight_dtype(torch.device(device)) == dtype
     lin = torch.nn.Linear(64, 32, bias=False).to(dtype)

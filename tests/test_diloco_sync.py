@@ -77,8 +77,8 @@ def _worker(index: int, sockdir: str, conn) -> None:
 
     from hivemind.p2p import P2P
 
-    import node.diloco as diloco
-    from node.membership import NodeDHT  # the node's DHT class (survives requests of dead senders)
+    import node.dp.diloco as diloco
+    from node.swarm.membership import NodeDHT  # the node's DHT class (survives requests of dead senders)
 
     P2P._UNIX_SOCKET_PREFIX = f"/unix{sockdir}/p{index}-"
     conn.send(("ok", "imported"))
@@ -148,7 +148,7 @@ def _worker(index: int, sockdir: str, conn) -> None:
 
 
 def test_prefix_and_arguments_are_checked_before_anything_starts():
-    from node.diloco import OuterSync, matchmaking_prefix
+    from node.dp.diloco import OuterSync, matchmaking_prefix
 
     assert matchmaking_prefix("run.v2 x", 3) == "vnode_run_v2_x_outer_3"  # hivemind forbids '.'
     params = {"w": torch.nn.Parameter(torch.zeros(4, 4))}

@@ -138,7 +138,7 @@ def test_healthcheck_command_exit_codes(tmp_path, state):
     """The image's HEALTHCHECK command, run as Docker would (state dir from NODE_STATE_DIR): exit 1 with one
     line when no node serves (Docker reserves 2), exit 0 for a fresh health.json of a serving node, both
     within the HEALTHCHECK's timeout."""
-    from node.health import write_health
+    from node.swarm.health import write_health
 
     m = re.search(r"HEALTHCHECK\s.*?--timeout=(\d+)s.*?CMD\s+(\[.*?\])", DOCKERFILE.read_text(), flags=re.S)
     assert m, "docker/Dockerfile has no HEALTHCHECK --timeout=Ns ... CMD [...]"

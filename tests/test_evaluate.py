@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from node.data import Example, load_examples
-from node.evaluate import EvalError, split_heldout
+from node.model.data import Example, load_examples
+from node.model.evaluate import EvalError, split_heldout
 
 
 def _tiny_with_tokenizer(path):
@@ -17,7 +17,7 @@ def _tiny_with_tokenizer(path):
     from tokenizers import ByteLevelBPETokenizer
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from node.model import tiny_config
+    from node.model.loading import tiny_config
 
     bpe = ByteLevelBPETokenizer()
     corpus = [f"Q: {a}+{b}=\nA: {a + b}" for a in range(10, 60) for b in range(10, 30)]

@@ -19,10 +19,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from node.checkpoint import load_latest, save_checkpoint
-from node.export import EXPORT_JSON, ExportError, StagePart, build_model, export_from_checkpoints, pull_stage
-from node.model import load_model, tiny_config
-from node.stages import build_stage
+from node.model.checkpoint import load_latest, save_checkpoint
+from node.model.loading import load_model, tiny_config
+from node.model.stages import build_stage
+from node.swarm.export import (
+    EXPORT_JSON,
+    ExportError,
+    StagePart,
+    build_model,
+    export_from_checkpoints,
+    pull_stage,
+)
 from tests.conftest import run_swarm, wait_for
 
 RANGES3 = [[0, 2], [2, 3], [3, 4]]  # the default split of tiny:4 into 3 stages (tail carries lm_head)
@@ -71,7 +78,7 @@ def _export(*args) -> subprocess.CompletedProcess:
 
 
 def test_export_from_checkpoints_and_live_peers_equal_the_pipeline(tmp_path):
-    from node.swarm import kill_group
+    from node.local.launcher import kill_group
 
     rep_dir = tmp_path / "swarm"
     ck_out = tmp_path / "from-checkpoints"
@@ -170,7 +177,7 @@ def _save(stages, root: Path, model_hash: str, run_id="r1", only=None) -> list[P
 
 @pytest.fixture
 def tiny_ckpts(tmp_path):
-    from node.model import open_model
+    from node.model.loading import open_model
 
     model = load_model("tiny:4", seed=0)[0]
     h = open_model("tiny:4", seed=0).run_hashes(RANGES3)[0]  # the run record's model hash
@@ -271,9 +278,9 @@ def test_live_pull_checks_the_digest_over_real_streams():
     """The real WeightServer over real libp2p: an intact pull is exact fp32, a flipped byte is refused."""
     from hivemind.p2p import P2P
 
-    from node.anchors import WEIGHTS_HANDLER, WeightServer
-    from node.export import _Visitor
-    from node.wire import Wire
+    from node.dp.anchors import WEIGHTS_HANDLER, WeightServer
+    from node.net.wire import Wire
+    from node.swarm.export import _Visitor
 
     model = load_model("tiny:4", seed=0)[0]
     stage = _trained_stages(model, RANGES3)[1]

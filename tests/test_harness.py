@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from bench.netns import NetnsUnavailable, check_support, leftover_namespaces
-from node.wire import BULK_SLOTS
+from node.net.wire import BULK_SLOTS
 
 FRAME_BYTES = 4 * 64 * 256 * 2  # the smoke's dense bf16 frame: 4 x 64 tokens x hidden 256
 SMOKE = [
@@ -71,11 +71,12 @@ def test_capped_smoke(tmp_path):
         assert e["rate_mbit"] == 2.0
         assert e["wire_utilisation"] is not None, name
         assert e["wire_utilisation"] <= 1.1, (name, e["wire_bytes_per_s"])
-        # frame bytes count once written to the stream (node.hop.call_peer, node.server), and a window
-        # can end with frames written but not yet on the wire: one per write turn (node.wire.BULK_SLOTS)
-        # plus a socket buffer's worth, against the 1.5 MB a 6 s window carries at 2 Mbit/s (measured,
-        # with two quality runs beside it: 0.75-1.07). A frame counted twice would read 2x. Counted
-        # before it waited for its write turn, a frame read up to 1.28 on a loaded machine (CI, 12/2).
+        # frame bytes count once written to the stream (node.stage.hop.call_peer, node.stage.server), and a
+        # window can end with frames written but not yet on the wire: one per write turn
+        # (node.net.wire.BULK_SLOTS) plus a socket buffer's worth, against the 1.5 MB a 6 s window
+        # carries at 2 Mbit/s (measured, with two quality runs beside it: 0.75-1.07). A frame counted twice
+        # would read 2x. Counted before it waited for its write turn, a frame read up to 1.28 on a
+        # loaded machine (CI, 12/2).
         slack = (BULK_SLOTS + 1) * FRAME_BYTES / (2e6 / 8 * 6)
         assert e["link_utilisation"] <= 1 + slack, (name, e["egress_frame_bytes_per_s"], slack)
         assert e["tokens_per_s"] > 0, name
@@ -98,8 +99,8 @@ def test_emulated_model_pipeline_shapes_hash_and_sleep():
     import torch
 
     from bench.emulated import DEFAULT_US, layer_us_per_token, parse_spec
-    from node.model import content_hash, load_model
-    from node.stages import build_stage, default_stage_ranges
+    from node.model.loading import content_hash, load_model
+    from node.model.stages import build_stage, default_stage_ranges
 
     # 0.371 GFLOP per token-layer (Llama-3.2-1B layer, fwd+bwd) at 40% of 989.4 TFLOP/s; 165.2 (RTX 4090)
     assert abs(layer_us_per_token() - 0.371e9 / 395.8e12 * 1e6) < 0.01 and DEFAULT_US == 0.94
@@ -137,7 +138,7 @@ def test_emulated_model_pipeline_shapes_hash_and_sleep():
 
 def test_text_data_fills_every_sequence(tmp_path):
     from bench.harness import write_text_data
-    from node.data import ByteTokenizer, load_examples, microbatches
+    from node.model.data import ByteTokenizer, load_examples, microbatches
 
     path = tmp_path / "data.txt"
     write_text_data(path, seq_len=64, chars_per_token=1.0)
@@ -256,7 +257,7 @@ def _real_and_emulated(name: str, **kw):
         ("pca", {"k": 32, "coeff_dtype": "int8"}),
         ("lowrank", {"k": 16, "coeff_dtype": "int8"}),
         ("lowrank", {"k": 16, "basis_dtype": "int8", "basis_block": 32, "first_apart": True}),
-        (  # the long-frame default layout (node.links.lowrank_layout)
+        (  # the long-frame default layout (node.stage.links.lowrank_layout)
             "lowrank",
             {
                 "tiers": ((6, 8), (10, 4)),
@@ -329,8 +330,8 @@ def test_emulated_compute_sleeps_and_builds_no_activation():
     import torch
 
     from bench.emulated import EmulatedCompute
-    from node.model import load_model
-    from node.stages import build_stage, default_stage_ranges
+    from node.model.loading import load_model
+    from node.model.stages import build_stage, default_stage_ranges
 
     m, _, _ = load_model("emulate:2048:4:50:256:h100", seed=0)
     ranges = default_stage_ranges(m, 2)
@@ -369,8 +370,8 @@ def test_emulated_model_calibrates_a_pca_basis():
     """The starter fits the PCA bases stage by stage on the emulated model (the default codec's path)."""
     import torch
 
-    from node.basis import calibrate_stagewise
-    from node.model import open_model
+    from node.model.loading import open_model
+    from node.stage.basis import calibrate_stagewise
 
     source = open_model("emulate:256:4:0:64:h100")
     ranges = [[0, 2], [2, 4]]

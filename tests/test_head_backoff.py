@@ -8,10 +8,10 @@ import asyncio
 
 from node import runtime as rt_mod
 from node.config import NodeConfig
-from node.data import ByteTokenizer, load_examples, microbatches
-from node.model import load_model
+from node.model.data import ByteTokenizer, load_examples, microbatches
+from node.model.loading import load_model
+from node.model.stages import build_stage
 from node.runtime import StageRuntime
-from node.stages import build_stage
 from protocol.records import RunRecord
 
 
@@ -50,7 +50,7 @@ def test_head_without_downstream_drops_at_a_bounded_rate(monkeypatch):
 
 def test_head_says_once_that_the_next_stage_is_empty_and_backs_off(monkeypatch, caplog):
     """Past the notice time: one line naming the empty stage, then silent drops at a growing interval."""
-    from node import membership
+    from node.swarm import membership
 
     monkeypatch.setattr(rt_mod, "DROP_BACKOFF_S", 0.2)
     monkeypatch.setattr(membership, "EMPTY_STAGE_NOTICE_S", 1.0)

@@ -1,6 +1,6 @@
 import time
 
-from node.health import check_health, write_health
+from node.swarm.health import check_health, write_health
 
 
 def test_health_states(tmp_path):

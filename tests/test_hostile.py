@@ -15,11 +15,11 @@ import types
 import pytest
 import torch
 
-import node.server as server_mod
+import node.stage.server as server_mod
 from bench.fuzz import RUN_ID, FakeWriter, make_runtime, pack, prefixed, valid_body
-from node.anchors import PacketSink, factorize
-from node.bans import BanList
-from node.scape import ScapeSync
+from node.dp.anchors import PacketSink, factorize
+from node.dp.scape import ScapeSync
+from node.net.bans import BanList
 from protocol.frames import Frame, decode_frame, encode_frame
 from protocol.records import StageRecord
 
@@ -229,8 +229,8 @@ def test_a_burst_of_streams_over_libp2p_is_answered_every_one(rt, loop):
 
     from hivemind.p2p import P2P
 
-    from node.hop import HANDLER
-    from node.transport import read_message
+    from node.net.transport import read_message
+    from node.stage.hop import HANDLER
 
     frame = prefixed(pack(valid_body(random.Random(3))))
 
@@ -253,7 +253,7 @@ def test_a_burst_of_streams_over_libp2p_is_answered_every_one(rt, loop):
                 except Exception as e:  # a stream the node dropped
                     return type(e).__name__
 
-            # the first stream raises the accept backlog (node.wire.raise_accept_backlog): a node
+            # the first stream raises the accept backlog (node.net.wire.raise_accept_backlog): a node
             # serves streams before any burst reaches it
             assert await one() == "backward"
             got = Counter(await asyncio.wait_for(asyncio.gather(*(one() for _ in range(400))), 120))

@@ -15,7 +15,7 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from node.config import NodeConfig
-from node.membership import lock_identity, publish_run_record, start_dht, store_stage_record_sync
+from node.swarm.membership import lock_identity, publish_run_record, start_dht, store_stage_record_sync
 from protocol.records import RunRecord, StageRecord, run_key, stage_key
 from tests.conftest import wait_for
 

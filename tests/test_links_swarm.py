@@ -49,7 +49,7 @@ def links_tmp(tmp_path_factory):
 @pytest.fixture(scope="module")
 def default_run(links_tmp):
     # no --codec: the default a GPU starter gets, microbatches packed to 2048 tokens, so the long-frame
-    # lowrank layout (node.links.lowrank_layout: tiers 24x8,88x4, position 0 apart)
+    # lowrank layout (node.stage.links.lowrank_layout: tiers 24x8,88x4, position 0 apart)
     return _swarm(links_tmp, "default", "--microbatch-tokens", "2048", codec=None)
 
 

@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from node.config import NodeConfig
 from node.join import stage_memory
-from node.model import ModelError, bundled_dir, open_model, resolve_model_path, tiny_config
-from node.stages import IGNORE_INDEX, causal_lm_loss, default_stage_ranges
+from node.model.loading import ModelError, bundled_dir, open_model, resolve_model_path, tiny_config
+from node.model.stages import IGNORE_INDEX, causal_lm_loss, default_stage_ranges
 from protocol.records import RecordError, RunRecord
 
 SMALL = dict(
@@ -187,7 +187,7 @@ def test_model_resolution_local_bundled_and_cached_hub(tmp_path):
     assert (bundled_dir() / "config.json").exists()
     snap = _fake_hub_snapshot(tmp_path / "hf", "acme/tiny-llama", ckpt)
     code = (
-        "import torch; from node.model import open_model; s = open_model('acme/tiny-llama'); "
+        "import torch; from node.model.loading import open_model; s = open_model('acme/tiny-llama'); "
         "st = s.load_stage([[0, 2], [2, 4]], 1, torch.device('cpu')); "
         "print(s.path, s.name, sum(p.numel() for p in st.parameters()))"
     )
@@ -229,7 +229,7 @@ def test_uncached_hub_model_offline_is_one_line(tmp_path):
     )
     assert "hf download acme/not-cached" in last  # the fix
     q = subprocess.run(
-        [sys.executable, "-c", "from node.model import open_model; open_model('acme/not-cached')"],
+        [sys.executable, "-c", "from node.model.loading import open_model; open_model('acme/not-cached')"],
         capture_output=True,
         text=True,
         env={**env, "HF_HUB_OFFLINE": "1"},
@@ -247,7 +247,7 @@ def test_a_checkpoint_without_safetensors_is_refused_in_one_line(tmp_path):
 def test_bundled_model_two_stages_equal_whole_ci_sized():
     """The split of the model users get, each stage loaded as a node loads it (the default suite's
     counterpart of tests/test_stages.py's slow bundled test: two stages, one short input)."""
-    from node.model import load_model
+    from node.model.loading import load_model
 
     source = open_model("bundled")
     ranges = default_stage_ranges(source.skeleton, 2)

@@ -1,4 +1,4 @@
-"""The rows the loss reads (node.links.loss_rows) and the link that fits its basis by them.
+"""The rows the loss reads (node.stage.links.loss_rows) and the link that fits its basis by them.
 
 A forward frame's labels travel with it, so every hop knows which positions the loss reads; the
 default lowrank link at long frames (``loss_share``) gives those rows half the basis' fit.
@@ -7,9 +7,9 @@ default lowrank link at long frames (``loss_share``) gives those rows half the b
 import torch
 
 from compression.codec import LinkContext
-from node.linkio import LinkIO
-from node.links import build_codec, loss_rows
-from node.stages import IGNORE_INDEX, causal_lm_loss
+from node.model.stages import IGNORE_INDEX, causal_lm_loss
+from node.stage.linkio import LinkIO
+from node.stage.links import build_codec, loss_rows
 from protocol.records import RunRecord
 
 

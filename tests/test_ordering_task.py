@@ -1,9 +1,9 @@
-"""The offline `ordering` task (node/data.py): answers checked by an independent solver."""
+"""The offline `ordering` task (node/model/data.py): answers checked by an independent solver."""
 
 import random
 import re
 
-from node.data import load_examples, ordering_example
+from node.model.data import load_examples, ordering_example
 
 
 def _solve(prompt: str) -> str:

@@ -14,7 +14,7 @@ from compression.pca import BasisVersionError, fit_basis
 from compression.pcamask import PcaMaskCodec
 from compression.prf import k_for_rate, select_channels
 from compression.registry import make_codec
-from node.links import build_codec
+from node.stage.links import build_codec
 
 H, POOL, TOP, RAND = 64, 24, 6, 5
 

@@ -1,4 +1,4 @@
-"""A request whose sender died must not end hivemind's DHT loop (node/pipes.py, issue 18).
+"""A request whose sender died must not end hivemind's DHT loop (node/net/pipes.py, issue 18).
 
 The request is built the way a real one fails: its pickle asks the receiving process to fetch a
 file descriptor from the sender's ``multiprocessing.resource_sharer`` listener, and the "sender"
@@ -16,7 +16,7 @@ from multiprocessing.resource_sharer import _ResourceSharer
 
 import pytest
 
-from node.membership import NodeDHT
+from node.swarm.membership import NodeDHT
 
 
 class _DeadSenderHandle:

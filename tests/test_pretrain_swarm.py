@@ -30,7 +30,7 @@ def test_contradicting_run_flags_fail_in_one_line(cmd, flags, needle, capsys):
 
 def test_pretrain_model_is_the_constrained_one_every_peer_builds():
     from compression.subspace import subspace_basis, subspace_residual_error, token_table
-    from node.model import content_hash, load_pretrain_model
+    from node.model.loading import content_hash, load_pretrain_model
 
     a, _, name = load_pretrain_model(f"tiny:3:{H}", seed=5, subspace_k=K)
     b, _, _ = load_pretrain_model(f"tiny:3:{H}", seed=5, subspace_k=K)

@@ -1,7 +1,7 @@
 """bench/quality.py --frame-tokens: each step is one frame packed as the node packs microbatches."""
 
 from bench.quality import BATCH, SEQ_LEN, step_frames, task_stream
-from node.data import ByteTokenizer, collate, tokenize
+from node.model.data import ByteTokenizer, collate, tokenize
 
 
 def test_frames_fill_the_token_budget_as_node_microbatches():
@@ -25,7 +25,7 @@ def test_without_frame_tokens_a_step_is_the_bench_batch():
 
 def test_node_microbatches_pack_by_tokens_without_dropping_an_example():
     """--microbatch-tokens: the node's own stream fills each microbatch greedily, as the bench does."""
-    from node.data import load_examples, microbatches
+    from node.model.data import load_examples, microbatches
 
     tok = ByteTokenizer(256)
     examples = load_examples("arithmetic", seed=0, n_builtin=50)

@@ -1,4 +1,4 @@
-"""Rebalancing: the pure decision (node.rebalance) and, in a real swarm, a node filling a stage left empty."""
+"""Rebalancing: the pure decision (node.swarm.rebalance) and, in a real swarm, an empty stage filled."""
 
 import json
 import os
@@ -9,7 +9,8 @@ import time
 import pytest
 
 from node.cli import build_parser
-from node.rebalance import (
+from node.local.launcher import read_metrics, start_node, stop_nodes
+from node.swarm.rebalance import (
     CHECK_EVERY_BEATS,
     DWELL_BEATS,
     JITTER_BEATS,
@@ -18,7 +19,6 @@ from node.rebalance import (
     move_reason,
     stage_throughputs,
 )
-from node.swarm import read_metrics, start_node, stop_nodes
 from protocol.records import StageRecord
 from tests.conftest import wait_for
 

@@ -1,6 +1,6 @@
 """The swarm report's link-rate series and its plots (links.png, eval.png)."""
 
-from node.report import link_rates, plot_eval, plot_link_rates
+from node.local.report import link_rates, plot_eval, plot_link_rates
 
 
 def test_link_rates_are_per_link_differences_over_time(tmp_path):

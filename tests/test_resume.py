@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from node.checkpoint import flatten_state, list_checkpoints, load_latest
+from node.model.checkpoint import flatten_state, list_checkpoints, load_latest
 
 
 def _join(tmp, *extra, env=None, timeout=240):

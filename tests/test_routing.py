@@ -1,7 +1,7 @@
 import random
 from collections import Counter
 
-from node.routing import choose_peer, choose_stage
+from node.swarm.routing import choose_peer, choose_stage
 from protocol.records import StageRecord
 
 
@@ -67,7 +67,7 @@ def _hop_client(routes: dict):
     """A real HopClient on a head of a 2-stage run whose peers answer through ``call_peer``."""
     import types
 
-    from node.hop import HopClient
+    from node.stage.hop import HopClient
 
     metrics = types.SimpleNamespace(count_frame=lambda *a: None)
     cfg = types.SimpleNamespace(circuit="fast", hop_timeout=2.0, seed=0)
@@ -89,7 +89,7 @@ def test_a_hop_waits_out_replicas_that_are_all_busy_and_keeps_their_routes():
     busy. The hop waits and retries instead of dropping the microbatch or forgetting the routes."""
     import asyncio
 
-    from node.hop import HopFailed
+    from node.stage.hop import HopFailed
     from protocol.frames import Frame
 
     routes = {p: StageRecord(ready=True) for p in ("QmA", "QmB")}
@@ -115,7 +115,7 @@ def test_a_hop_gives_up_after_two_failures_and_past_its_deadline_when_busy():
 
     import pytest
 
-    from node.hop import HopFailed
+    from node.stage.hop import HopFailed
 
     async def refuse(peer, data, boundary, tokens=0):
         raise HopFailed(f"{peer} did not answer")

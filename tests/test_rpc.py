@@ -1,4 +1,4 @@
-"""node.rpc over real p2pd daemons on loopback: replies, streamed replies, error replies, no peer."""
+"""node.net.rpc over real p2pd daemons on loopback: replies, streamed replies, error replies, no peer."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from hivemind.p2p import P2P
 
-from node import rpc
-from node.wire import Wire
+from node.net import rpc
+from node.net.wire import Wire
 from protocol.frames import Frame, FrameError, decode_frame, encode_frame, error_frame
 
 RUN = "rpc-test"

@@ -20,9 +20,9 @@ import torch
 from compression.codec import LinkContext
 from compression.registry import make_codec
 from node.config import NodeConfig
-from node.model import load_model
+from node.model.loading import load_model
+from node.model.stages import build_stage
 from node.runtime import StageRuntime
-from node.stages import build_stage
 from protocol.frames import Frame, decode_frame, encode_frame, pack_labels
 from protocol.records import RunRecord
 

@@ -8,9 +8,9 @@ import torch
 
 from compression.scape import next_mask, step_bytes
 from node.cli import build_parser
-from node.report import build_report
-from node.scape import ScapeSync, decode_slice, encode_slice, next_lineage, winning_lineage
-from node.swarm import read_metrics, start_node, stop_nodes, tail_steps
+from node.dp.scape import ScapeSync, decode_slice, encode_slice, next_lineage, winning_lineage
+from node.local.launcher import read_metrics, start_node, stop_nodes, tail_steps
+from node.local.report import build_report
 from tests.conftest import run_swarm, wait_for
 
 MODEL, DENSITY, HEADER = "tiny:2:128", 0.1, 400  # a scape frame's header is ~150 B
@@ -31,7 +31,7 @@ def test_mask_slices_survive_the_wire_encoding(density):
 def _scape(timeout: float = 0.3) -> ScapeSync:
     """A real ScapeSync on a real (network-less) tail runtime's context, through its constructor."""
     from bench.fuzz import make_runtime
-    from node.step import StepGate
+    from node.stage.step import StepGate
 
     async def routes_as_they_are() -> None:  # the test sets the routes; no DHT to read them from
         return None
@@ -80,7 +80,7 @@ def test_winning_lineage_prefers_progress_then_majority_then_lowest_peer():
 def test_scape_state_survives_a_checkpoint(tmp_path):
     """m, err, lineage and step count after real lone steps round-trip through a checkpoint into a
     fresh replica (public state_dict / load_state_dict)."""
-    from node.checkpoint import load_checkpoint, save_checkpoint
+    from node.model.checkpoint import load_checkpoint, save_checkpoint
 
     a = _scape()
     for t in range(3):  # alone on the stage: plain AdamS steps move m
@@ -168,8 +168,8 @@ def test_scape_swarm_trains_and_keeps_replicas_identical(scape_run):
 
 
 def test_scape_dp_bytes_follow_density(scape_run):
-    from node.model import load_pretrain_model
-    from node.stages import build_stage, default_stage_ranges
+    from node.model.loading import load_pretrain_model
+    from node.model.stages import build_stage, default_stage_ranges
 
     stage, nodes = _replicas(scape_run)
     model = load_pretrain_model(MODEL, seed=0)[0]

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from compression.codec import DenseCodec, LinkContext
-from node.model import load_model, tiny_config
-from node.stages import IGNORE_INDEX, balance_layers, build_stage, causal_lm_loss, default_stage_ranges
-from node.step import mean_and_clip
-from node.tied import partner_gradient, tied_payload
+from node.dp.tied import partner_gradient, tied_payload
+from node.model.loading import load_model, tiny_config
+from node.model.stages import IGNORE_INDEX, balance_layers, build_stage, causal_lm_loss, default_stage_ranges
+from node.stage.step import mean_and_clip
 from protocol.frames import Frame, decode_frame, encode_frame
 
 
@@ -60,7 +60,7 @@ def _over_frame(tensors: dict) -> dict:
 
 
 def _exchange_tied(stages) -> None:
-    """What the head and the tail do at their step (node.tied): each adds the other's gradient of the
+    """What the head and the tail do at their step (node.dp.tied): each adds the other's gradient of the
     tied tensor, sent as the node sends it (the head's rows, the tail's dense gradient) in a frame."""
     emb, lm = stages[0].embed_tokens.weight, stages[-1].lm_head.weight
     to_tail = _over_frame(tied_payload(emb.grad, from_head=True))

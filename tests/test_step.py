@@ -1,4 +1,4 @@
-"""``node.step``: ``mean_and_clip`` (the one place summed microbatch gradients become the step's mean,
+"""``node.stage.step``: ``mean_and_clip`` (the one place summed microbatch gradients become the step's mean,
 clipped) and ``StepGate`` (bounded in-flight work; a step only when none is in flight)."""
 
 import asyncio
@@ -6,7 +6,7 @@ import asyncio
 import pytest
 import torch
 
-from node.step import Busy, StepGate, mean_and_clip, outer_round_due
+from node.stage.step import Busy, StepGate, mean_and_clip, outer_round_due
 
 
 def _summed_grads(model: torch.nn.Module, batches: list[torch.Tensor]) -> None:

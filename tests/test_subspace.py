@@ -1,4 +1,4 @@
-"""Subspace Networks (compression/subspace.py; the model: node/subspace_model.py): basis, codec
+"""Subspace Networks (compression/subspace.py; the model: node/model/subspace.py): basis, codec
 exactness, gradients, bytes, model."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from compression.subspace import (
     subspace_residual_error,
     token_table,
 )
-from node.subspace_model import build_subspace_model, residual_at
+from node.model.subspace import build_subspace_model, residual_at
 
 H, K, V = 32, 4, 300
 CTX = LinkContext(seed=1)

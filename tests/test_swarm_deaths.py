@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from node.swarm import read_metrics, tail_steps
+from node.local.launcher import read_metrics, tail_steps
 from tests.conftest import wait_for
 
 SWARM = [sys.executable, "-m", "node", "swarm", "--model", "tiny:4", "--codec", "dense", "--outer-every", "0"]

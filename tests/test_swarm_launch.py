@@ -4,8 +4,8 @@ import signal
 
 import pytest
 
-from node import swarm
 from node.cli import build_parser
+from node.local import launcher as swarm
 
 
 def test_node_that_misses_the_ready_deadline_is_killed(tmp_path, monkeypatch):

@@ -11,12 +11,12 @@ import sys
 import pytest
 import torch
 
-from node.checkpoint import load_latest
-from node.data import ByteTokenizer, Example, collate, tokenize
-from node.model import tiny_config
-from node.stages import causal_lm_loss, default_stage_ranges
-from node.step import mean_and_clip
-from node.tied import partner_gradient, tied_payload
+from node.dp.tied import partner_gradient, tied_payload
+from node.model.checkpoint import load_latest
+from node.model.data import ByteTokenizer, Example, collate, tokenize
+from node.model.loading import tiny_config
+from node.model.stages import causal_lm_loss, default_stage_ranges
+from node.stage.step import mean_and_clip
 from protocol.frames import FrameError
 from tests.conftest import wait_for
 
@@ -184,11 +184,11 @@ def test_a_side_waits_only_for_a_partner_that_pairs_with_it():
     tail that see only each other still exchange exactly, the one that sends first waiting."""
     from hivemind.p2p import P2P
 
-    from node.compute import Compute
     from node.config import NodeConfig
-    from node.context import StageContext
-    from node.metrics import Metrics
-    from node.tied import REPAIR_EVERY, TIED_HANDLER, TiedExchange
+    from node.dp.tied import REPAIR_EVERY, TIED_HANDLER, TiedExchange
+    from node.stage.compute import Compute
+    from node.stage.context import StageContext
+    from node.stage.metrics import Metrics
     from protocol.records import RunRecord, StageRecord
 
     run = RunRecord(

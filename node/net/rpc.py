@@ -1,0 +1,72 @@
+"""One request to a peer's stream handler: open with a deadline, send a frame, read the reply.
+
+The hop client, the anchor circuit, tied gradients, SCAPE and basis fetches (and export) call
+peers through these, so a peer that cannot be reached is one error type everywhere
+(``PeerUnreachable``, a ``ConnectionError``) and an error reply is a ``FrameError`` carrying
+the peer's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from hivemind.p2p import PeerID
+
+from node.net.transport import close_quietly
+from node.net.wire import Wire
+from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame
+
+
+class PeerUnreachable(ConnectionError):
+    """No stream to the peer could be opened within the deadline."""
+
+
+async def open_stream(p2p, peer: str, handler: str, timeout: float):
+    """(reader, writer) of a new stream to ``peer``'s ``handler``; ``PeerUnreachable`` if none opens."""
+    try:
+        _, reader, writer = await asyncio.wait_for(
+            p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler), timeout
+        )
+    except Exception as e:  # p2pd's own errors, the deadline, a malformed peer id
+        raise PeerUnreachable(f"cannot open a stream to {peer[:12]}: {type(e).__name__}") from None
+    return reader, writer
+
+
+async def send_only(p2p, wire: Wire, peer: str, handler: str, data: bytes, timeout: float) -> int:
+    """Write one encoded frame and close (the peer answers on a stream of its own); bytes sent."""
+    _, writer = await open_stream(p2p, peer, handler, timeout)
+    try:
+        return await wire.send(writer, data, timeout)
+    finally:
+        close_quietly(writer)
+
+
+async def request(
+    p2p,
+    wire: Wire,
+    peer: str,
+    handler: str,
+    frame: Frame,
+    timeout: float,
+    run_id: str,
+    stream: bool = False,
+) -> tuple[list[Frame], int, int]:
+    """Send ``frame`` and read the reply: one frame, or with ``stream`` frames until one is marked
+    ``last``. Returns (replies, bytes sent, bytes received); an error reply raises ``FrameError``."""
+    reader, writer = await open_stream(p2p, peer, handler, timeout)
+    out: list[Frame] = []
+    received = 0
+    try:
+        sent = await wire.send(writer, encode_frame(frame), timeout)
+        while True:
+            data = await wire.recv(reader, MAX_FRAME_BYTES, timeout)
+            received += len(data)
+            reply = decode_frame(data, run_id=run_id)
+            if reply.kind == "error":
+                raise FrameError(str(reply.meta.get("message", "error")))
+            out.append(reply)
+            if not stream or reply.meta.get("last"):
+                break
+    finally:
+        close_quietly(writer)
+    return out, sent, received

@@ -1,0 +1,156 @@
+"""Messages on libp2p streams, signed with the swarm key when the run has one.
+
+Every handler (forward, basis, weights, anchor, scape) sends and receives through one ``Wire``,
+so membership is checked in one place, on raw bytes, before any frame is parsed; the ban list
+every handler strikes lives here too, so a peer banned by one handler is refused by all.
+
+A handler reads its request with ``idle``: a stream that sends no byte for ``idle`` seconds is
+closed (``Idle``) however long the frame, so a held stream costs little while a slow but
+steady sender (100 MB at 80 Mbit/s: 10 s) still gets through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+
+from node.net.bans import BanList
+from node.net.transport import HEADER_LEN, read_message, write_message
+from protocol.auth import HEADER_BYTES, ReplayGuard, Unauthorized, sign, verify
+from protocol.frames import FrameTooLarge, MalformedFrame
+
+log = logging.getLogger("node")
+
+# a handler closes a request stream that sent nothing for this long. Not shorter: behind
+# saturated links a stream's flow-control window can stay shut for seconds while its window
+# update waits behind the frames going the other way (harness, dense with 16 in flight: 3
+# frames cut at 5 s and sent again; linkprobe: small messages wait up to 2 s)
+IDLE_S = 15.0
+_CHUNK = 1 << 20
+# pending connections the handler socket queues: p2pd opens one per incoming stream, and
+# hivemind listens with asyncio's default of 100, so a burst of streams past it was reset
+ACCEPT_BACKLOG = 4096
+# pipeline frames (FORWARD out, BACKWARD replies) one node writes at once to one peer (one
+# libp2p connection); the rest to that peer wait their turn. Written all at once, the frames in
+# flight share the connection, finish together, and a pipeline's forwards and backwards then
+# take turns on the link instead of overlapping (bench/results/linkprobe.md: 16.8 MB frames,
+# 4 in flight, both directions busy: RTT 40 ms 52% -> 63% of 80 Mbit/s with 2 at once; RTT 0
+# 48% -> 80% with 1). Two, not one: one stream alone is held to its libp2p flow-control window
+# per round trip. Per peer, not per node: a peer that stalls (its link cut, its receive window
+# shut) must not hold up the frames to the others.
+BULK_SLOTS = 2
+
+
+class Idle(asyncio.TimeoutError):
+    """A request stream sent no byte within the inactivity deadline."""
+
+
+class Wire:
+    def __init__(self, key: bytes | None = None):
+        self.key = key
+        self.replay = ReplayGuard() if key else None
+        self.bans = BanList()
+        self._bulk: dict[str, asyncio.Semaphore] = {}
+
+    def bulk(self, peer: str) -> asyncio.Semaphore:
+        """The turns to write a pipeline frame to ``peer`` (BULK_SLOTS). A sender opens its stream
+        on its turn, since a handler closes a stream that sent nothing for IDLE_S."""
+        return self._bulk.setdefault(peer, asyncio.Semaphore(BULK_SLOTS))
+
+    @property
+    def overhead(self) -> int:
+        return HEADER_BYTES if self.key else 0
+
+    def seal(self, data: bytes) -> bytes:
+        return sign(self.key, data) if self.key else data
+
+    def open(self, data: bytes) -> bytes:
+        """The frame bytes inside ``data``; raises Unauthorized when the swarm key does not verify."""
+        return verify(self.key, data, replay=self.replay) if self.key else data
+
+    async def send(
+        self, writer: asyncio.StreamWriter, data: bytes, timeout: float, sealed: bool = True
+    ) -> int:
+        out = self.seal(data) if sealed else data
+        await write_message(writer, out, timeout)
+        return len(out)
+
+    async def recv(
+        self, reader: asyncio.StreamReader, max_bytes: int, timeout: float, idle: float | None = None
+    ) -> bytes:
+        """One message; with ``idle``, the deadline is on inactivity (no byte for ``min(idle, timeout)``
+        seconds: never longer than the caller's deadline), not on the whole message."""
+        if idle is None:
+            return self.open(await read_message(reader, max_bytes + self.overhead, timeout))
+        return self.open(await _read_active(reader, max_bytes + self.overhead, min(idle, timeout)))
+
+
+def raise_accept_backlog(p2p, backlog: int = ACCEPT_BACKLOG) -> bool:
+    """Raise the accept backlog of the unix socket hivemind's P2P serves its stream handlers on.
+
+    hivemind keeps that socket inside a context manager and offers no setting; listen() on a
+    duplicate of its descriptor resizes the queue of the same socket (Linux). False if it was
+    not found (no P2P yet, another platform); the node then works with the default queue."""
+    try:
+        path = p2p._client_listen_maddr.value_for_protocol("unix")
+        names = os.listdir("/proc/self/fd")
+    except Exception as e:  # not hivemind's P2P, or no /proc
+        log.debug("accept backlog left as it is: %s", e)
+        return False
+    for name in names:
+        try:
+            fd = os.dup(int(name))
+        except OSError:  # closed since the listing
+            continue
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:  # not a socket
+            os.close(fd)
+            continue
+        try:
+            if sock.family == socket.AF_UNIX and sock.getsockname() == path:
+                sock.listen(backlog)
+                return True
+        except OSError:
+            pass
+        finally:
+            sock.close()  # only the duplicate: the socket stays open on its own descriptor
+    return False
+
+
+async def skip_message(reader: asyncio.StreamReader, max_bytes: int, idle: float) -> None:
+    """Read one message and throw it away, holding at most a chunk of it: closing a stream with
+    unread bytes resets it, and the reply written before would be lost with it."""
+    n = int.from_bytes(await _read_some(reader, HEADER_LEN, idle, exact=True), "big")
+    if n > max_bytes:
+        raise FrameTooLarge(f"declared message of {n} bytes exceeds the {max_bytes}-byte limit")
+    while n > 0:
+        n -= len(await _read_some(reader, min(n, _CHUNK), idle))
+
+
+async def _read_active(reader: asyncio.StreamReader, max_bytes: int, idle: float) -> bytes:
+    header = await _read_some(reader, HEADER_LEN, idle, exact=True)
+    n = int.from_bytes(header, "big")
+    if n > max_bytes:  # before a single payload byte is read: a hostile header costs nothing
+        raise FrameTooLarge(f"declared message of {n} bytes exceeds the {max_bytes}-byte limit")
+    buf = bytearray()
+    while len(buf) < n:
+        buf += await _read_some(reader, min(n - len(buf), _CHUNK), idle)
+    return bytes(buf)
+
+
+async def _read_some(reader: asyncio.StreamReader, n: int, idle: float, exact: bool = False) -> bytes:
+    try:
+        chunk = await asyncio.wait_for(reader.readexactly(n) if exact else reader.read(n), idle)
+    except asyncio.IncompleteReadError:
+        raise MalformedFrame("stream closed mid-message") from None
+    except asyncio.TimeoutError:
+        raise Idle(f"no bytes for {idle:g} s; idle streams are closed after {idle:g} s") from None
+    if not chunk:
+        raise MalformedFrame("stream closed mid-message")
+    return chunk
+
+
+__all__ = ["BULK_SLOTS", "IDLE_S", "Idle", "Wire", "Unauthorized", "skip_message"]

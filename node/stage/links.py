@@ -1,0 +1,154 @@
+"""Which codec each pipeline boundary uses, per step, and the settings a run publishes.
+
+A node has up to two links: its input boundary (stage-1 -> stage) and its output boundary
+(stage -> stage+1). Each gets its own codec instances, because basis codecs (PCA) hold a
+different basis per boundary. A run may also schedule a dense step every K steps (the
+periodic clean step baseline); both ends then expect either codec, named in the frame.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compression.codec import DenseCodec, LinkCodec
+from compression.mask import is_dense_step
+from compression.registry import make_codec
+from compression.tiered import check_tiers
+from node.config import NodeConfig
+from node.model.stages import IGNORE_INDEX
+from protocol.records import RunRecord
+
+# --codec-k 0: each codec's own k. lowrank 80: the most directions whose per-frame basis keeps
+# each direction >= 10x below dense bf16 at a GPU starter's 2048-token microbatches (110.5 B/token
+# at H = 576), and the first k that reached 0.9x dense on the word task there (0.740 vs 0.820;
+# k = 64, 13.2x: 0.645; bench/results/quality.md); pca 96: the fixed basis's measured default.
+DEFAULT_K = {"lowrank": 80, "pca": 96, "topk": 96, "bottleneck": 96}
+
+
+# The lowrank layout a new run gets for the frames its starter sends (the flags it leaves unset).
+# Long frames (a GPU starter's 2048 tokens): 112 directions in two tiers (24 at 8 bits, 88 at 4)
+# and each sequence's first position (the attention sink) coded apart, at 109.8 B/token per
+# direction on the bundled model (10.5x below dense bf16): the best learner measured at >= 10x
+# (word 0.765 / 0.735 EM on two seeds against the plain k = 80's 0.740 / 0.700; arithmetic and
+# ordering: bench/results/quality.md, tenth section). The loss-share fit stays off: it lowered the
+# first step's answer KL by a third but learnt the word task worse (0.690 / 0.680). Short frames (a
+# CPU starter's --microbatch examples, ~136 tokens in `make demo`): 80 directions at 8 bits and
+# position 0 in the shared code, since there a 112-direction basis and the sinks' own code cost
+# more per token than they save.
+LONG_FRAME_TOKENS = 2048
+LONG_FRAME_LAYOUT = {"lowrank_tiers": "24x8,88x4", "lowrank_first": "apart"}
+SHORT_FRAME_LAYOUT = {"lowrank_tiers": "", "lowrank_first": "shared"}
+
+
+def lowrank_layout(microbatch_tokens: int) -> dict[str, str]:
+    """The lowrank flags' defaults for a run whose microbatches are packed to ``microbatch_tokens``
+    (0: a fixed number of examples, i.e. short frames)."""
+    return dict(LONG_FRAME_LAYOUT if microbatch_tokens >= LONG_FRAME_TOKENS else SHORT_FRAME_LAYOUT)
+
+
+def codec_settings(cfg: NodeConfig, model=None) -> dict:
+    """The codec description a new run publishes (what ``describe()`` of the codec returns).
+
+    ``subspace`` needs the model's vocabulary and hidden size: U and T are rebuilt from the run
+    seed by every peer, so the description carries (k, seed, vocab, hidden), never the tensors.
+    """
+    name = cfg.codec
+    if name == "subspace":
+        if model is None:
+            raise ValueError("the subspace codec's settings need the model (vocab, hidden)")
+        kw = {
+            "k": cfg.subspace_rank,
+            "seed": cfg.seed,
+            "vocab": model.config.vocab_size,
+            "hidden": model.config.hidden_size,
+            "wire_dtype": cfg.wire_dtype,
+        }
+        return make_codec(name, **kw).describe()
+    k = cfg.codec_k or DEFAULT_K.get(name, 0)
+    if name == "dense":
+        kw = {"wire_dtype": cfg.wire_dtype}
+    elif name == "mask":
+        kw = {"rate": cfg.mask_rate, "wire_dtype": cfg.wire_dtype, "rescale": cfg.mask_rescale}
+    elif name == "pca":
+        if model is not None:  # the default k = 96 on a model narrower than that: keep every direction
+            k = min(k, model.config.hidden_size)
+        kw = {"k": k, "coeff_dtype": cfg.pca_dtype}
+    elif name == "lowrank":
+        k = k if model is None else min(k, model.config.hidden_size)
+        kw = {"k": k, "coeff_dtype": cfg.pca_dtype, "basis_dtype": cfg.lowrank_basis}
+        if cfg.lowrank_basis == "int8":
+            kw["basis_block"] = 32  # one scale per direction loses the small entries (quality.md)
+        if cfg.lowrank_k_backward:
+            kw["k_backward"] = (
+                cfg.lowrank_k_backward
+                if model is None
+                else min(cfg.lowrank_k_backward, model.config.hidden_size)
+            )
+        if cfg.lowrank_backward_bits != 8:
+            kw["backward_bits"] = cfg.lowrank_backward_bits
+        if cfg.lowrank_tiers:
+            kw["tiers"] = kw["backward_tiers"] = parse_tiers(cfg.lowrank_tiers)
+        if cfg.lowrank_centre != "mean":
+            kw["centre"] = cfg.lowrank_centre
+        if cfg.lowrank_first == "apart":
+            kw["first_apart"] = True
+        if cfg.lowrank_fit == "loss-share":
+            kw["loss_share"] = True
+    elif name in ("topk", "bottleneck"):
+        kw = {"k": k}
+    else:
+        kw = {}
+    return make_codec(name, **kw).describe()
+
+
+def loss_rows(labels: torch.Tensor) -> torch.Tensor:
+    """The positions whose output the loss reads (bool, labels' shape): those whose next token is
+    labelled (a causal LM's output at t predicts t + 1). A forward frame's labels travel with it,
+    so every hop knows these rows without a byte more (``LinkContext.loss_rows``)."""
+    rows = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
+    rows[..., :-1] = labels[..., 1:] != IGNORE_INDEX
+    return rows
+
+
+def parse_tiers(text: str) -> tuple[tuple[int, int], ...]:
+    """``24x8,88x4`` -> ((24, 8), (88, 4)): directions and bits per tier, falling precision."""
+    try:
+        parts = [part.split("x") for part in text.split(",")]
+        if any(len(p) != 2 for p in parts):
+            raise ValueError(text)
+        return check_tiers(tuple((int(n), int(b)) for n, b in parts))
+    except ValueError:
+        raise ValueError(
+            f"--lowrank-tiers {text!r}: expected DIRSxBITS pairs such as 24x8,88x4 (bits 8, 4 or 2)"
+        ) from None
+
+
+def build_codec(desc: dict) -> LinkCodec:
+    return make_codec(desc["codec"], **{k: v for k, v in desc.items() if k != "codec"})
+
+
+class Link:
+    """The codecs of one boundary: the run's codec and, if scheduled, the dense one."""
+
+    def __init__(self, run: RunRecord, boundary: int, dense_only: bool = False):
+        self.boundary = boundary
+        wire = run.codec.get("wire_dtype", "bfloat16")
+        # the anchor circuit is dense by definition, whatever codec the fast circuit uses
+        self.main = DenseCodec(wire) if dense_only else build_codec(run.codec)
+        self.dense_every = 0 if dense_only else run.dense_every
+        self.dense = self.main if self.main.codec_id == "dense" else DenseCodec(wire)
+
+    @property
+    def needs_basis(self) -> bool:
+        return self.main.needs_basis
+
+    def for_step(self, step: int) -> LinkCodec:
+        return self.dense if self.dense_every and is_dense_step(step, self.dense_every) else self.main
+
+    def by_id(self, codec_id: str) -> LinkCodec | None:
+        """The codec a received frame names, or None if this run does not use it on this link."""
+        if codec_id == self.main.codec_id:
+            return self.main
+        if codec_id == "dense" and self.dense_every:
+            return self.dense
+        return None

@@ -1,0 +1,185 @@
+"""The forward stream handler: bans, parsing off the loop, error mapping, byte counting, reply first.
+
+Every stream gets exactly one answer: the BACKWARD frame, or an ERROR frame whose code says
+what the sender should do (``downstream``: our next stage failed, do not retry again;
+``busy``: try another replica; the frame errors: the frame was bad). The reply goes out, and
+the stream is closed, *before* this node's optimizer step (``after_reply``): a step (drain,
+AdamW, an outer round, a SCAPE exchange, a checkpoint) never delays the stages upstream.
+
+What a flood costs: a peer gets at most ``MAX_STREAMS_PER_PEER`` streams served at once; the
+rest are answered ``busy`` (their frame read and thrown away, or the stream resets and the
+reply is lost) and counted (``metrics.shed_streams``), so a flood is answered, not dropped. A
+stream that sends no byte for ``IDLE_S`` seconds is closed with a ``busy`` that names the
+deadline (``metrics.idle_streams``), so held streams cost little. The handler socket's accept
+queue is raised from hivemind's 100 (``node.net.wire.raise_accept_backlog``) so that a burst of
+streams waits to be answered instead of being reset by the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from node.net.bans import BanList
+from node.net.transport import close_quietly
+from node.net.wire import IDLE_S, Idle, Unauthorized, raise_accept_backlog, skip_message
+from node.stage.context import StageContext
+from node.stage.hop import HopFailed
+from node.stage.step import Busy
+from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, encode_frame, error_frame
+
+log = logging.getLogger("node")
+
+# streams one peer may have served at once: an honest upstream has at most its max_inflight
+# microbatches out, spread over the replicas; past this a flood only queues
+MAX_STREAMS_PER_PEER = 16
+SHED_LOG_EVERY_S = 5.0  # one log line per flooding peer per this many seconds, with the count
+
+
+class ForwardServer:
+    def __init__(
+        self,
+        ctx: StageContext,
+        serve: Callable[[bytes], Awaitable[tuple[Frame, bytes]]],
+        after_reply: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.ctx = ctx
+        # FORWARD frame bytes -> the BACKWARD frame and its bytes, built in the compute thread
+        # (node.stage.pipeline.Pipeline.serve)
+        self.serve = serve
+        self.after_reply = after_reply  # the step, when one is due
+        self.leaving = False  # set when the node leaves: streams that start now are turned away
+        self.active = 0  # streams being served, from the first byte read to the step after the reply
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._per_peer: dict[str, int] = {}
+        self._shed_logged: dict[str, float] = {}  # peer -> when its shedding was last logged
+        self._backlog_checked = False
+
+    @property
+    def bans(self) -> BanList:
+        """The node's ban list (on its Wire: every handler strikes and checks the same one)."""
+        return self.ctx.wire.bans
+
+    @bans.setter
+    def bans(self, value: BanList) -> None:
+        self.ctx.wire.bans = value
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait until no stream is being served (replies sent, steps taken); False on timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def handle_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        if not self._backlog_checked and self.ctx.p2p is not None:
+            # the handler socket exists once a stream arrives: queue a burst instead of resetting it
+            self._backlog_checked = True
+            if not raise_accept_backlog(self.ctx.p2p):
+                log.info("could not raise the stream accept backlog; bursts past 100 streams may be reset")
+        peer = str(stream_info.peer_id)
+        if self._per_peer.get(peer, 0) >= MAX_STREAMS_PER_PEER:
+            await self._shed(peer, reader, writer)
+            return
+        self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
+        self.active += 1
+        self._idle.clear()
+        try:
+            await self._handle(stream_info, reader, writer)
+        finally:
+            self.active -= 1
+            self._per_peer[peer] -= 1
+            if not self._per_peer[peer]:
+                del self._per_peer[peer]
+            if not self.active:
+                self._idle.set()
+
+    async def _shed(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Answer a stream over the peer's bound with ``busy``, its frame read but never kept."""
+        ctx = self.ctx
+        ctx.metrics.shed_streams += 1
+        now = time.monotonic()
+        if now - self._shed_logged.get(peer, -SHED_LOG_EVERY_S) >= SHED_LOG_EVERY_S:
+            self._shed_logged[peer] = now
+            if len(self._shed_logged) > 1024:  # bounded: forget the peer logged longest ago
+                del self._shed_logged[next(iter(self._shed_logged))]
+            log.warning(
+                "shedding streams from %s: over %d at once (%d shed in all)",
+                peer[:12],
+                MAX_STREAMS_PER_PEER,
+                ctx.metrics.shed_streams,
+            )
+        msg = f"over {MAX_STREAMS_PER_PEER} concurrent streams from this peer; try another replica"
+        reply = encode_frame(_error(ctx.run.run_id, "busy", msg))
+        idle = min(IDLE_S, ctx.cfg.hop_timeout)
+        try:
+            try:
+                await skip_message(reader, MAX_FRAME_BYTES + ctx.wire.overhead, idle)
+            except (FrameError, Idle):  # a cut or stalled frame still gets the same answer
+                pass
+            await ctx.wire.send(writer, reply, ctx.cfg.hop_timeout)
+        except Exception as e:  # the flooder went away
+            log.debug("shed stream ended: %s", e)
+        finally:
+            close_quietly(writer)
+
+    async def _handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        ctx = self.ctx
+        peer = str(stream_info.peer_id)
+        sealed = True
+        served = False
+        try:
+            if self.bans.is_banned(peer):  # costs a banned peer's frames nothing but a closed stream
+                return
+            try:
+                data = await ctx.wire.recv(reader, MAX_FRAME_BYTES, ctx.cfg.hop_timeout, idle=IDLE_S)
+                if self.leaving:  # upstream retries it on another replica
+                    raise Busy("this node is leaving the swarm; try another replica")
+                reply, out = await self.serve(data)
+                served = True
+                self.bans.record_good(peer)
+            except FrameError as e:
+                ctx.metrics.rejected_frames += 1
+                if self.bans.record_bad(peer):
+                    log.warning("banning %s for repeated invalid frames (last: %s)", peer[:12], e)
+                log.info("rejected a frame from %s: %s", peer[:12], e)
+                reply = error_frame(ctx.run.run_id, e)
+                sealed = not isinstance(e, Unauthorized)  # a keyless sender must still read why
+            except HopFailed as e:
+                reply = _error(ctx.run.run_id, "downstream", str(e))
+            except Idle as e:
+                ctx.metrics.idle_streams += 1
+                log.info("closing an idle stream from %s: %s", peer[:12], e)
+                reply = _error(ctx.run.run_id, "busy", str(e))
+            except (asyncio.TimeoutError, RuntimeError) as e:
+                reply = _error(ctx.run.run_id, "busy", f"{type(e).__name__}: {e}")
+            except Exception as e:  # a bug of ours must still answer, never leave the sender waiting
+                log.warning("internal error serving %s: %s: %s", peer[:12], type(e).__name__, e)
+                reply = _error(ctx.run.run_id, "internal", f"{type(e).__name__}: {e}")
+            if not served:  # error frames carry no tensors: cheap to encode here
+                out = encode_frame(reply)
+            if served:  # a BACKWARD frame takes its turn on the uplink (node/net/wire.py BULK_SLOTS)
+                async with ctx.wire.bulk(peer):
+                    sent = await ctx.wire.send(writer, out, ctx.cfg.hop_timeout, sealed=sealed)
+            else:  # an error frame is small: it never waits behind the pipeline's frames
+                sent = await ctx.wire.send(writer, out, ctx.cfg.hop_timeout, sealed=sealed)
+            if served:
+                ctx.metrics.replies_sent.append((time.monotonic(), reply.microbatch))
+                ctx.metrics.count_frame(ctx.index - 1, "backward", sent, int(reply.meta.get("mb_tokens", 0)))
+        except Exception as e:  # the requester went away; nothing of ours is held any more
+            log.debug("stream ended: %s", e)
+        finally:
+            close_quietly(writer)
+        if served:  # the reply is out (or its sender gone): now this node may step
+            try:
+                await self.after_reply()
+            except Exception as e:  # a failed step must not escape into the transport's handler
+                log.warning("inner step failed: %s: %s", type(e).__name__, e)
+
+
+def _error(run_id: str, code: str, message: str) -> Frame:
+    return Frame(kind="error", run_id=run_id, meta={"code": code, "message": message[:300]})

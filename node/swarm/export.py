@@ -1,0 +1,492 @@
+"""`python -m node export`: assemble the swarm's model into one Hugging Face checkpoint.
+
+Two sources of the stages' weights:
+
+* live peers (``--peers``): one ready fast peer per stage (the most advanced) streams its
+  weights in fp32 over the swarm's own authenticated ``vnode.weights`` streams; the last
+  frame carries a sha256 of the snapshot (``node.dp.anchors.weights_digest``), checked here.
+* checkpoint directories (``--checkpoints``): the newest checkpoint of every stage, verified
+  by its manifest digests (``node.model.checkpoint``); stage layer ranges follow from the layer
+  counts in stage order.
+
+The stage-local names (``layers.j.*`` of stage [start, end), ``embed_tokens``, ``norm``,
+``lm_head``) map onto the whole model's names; the result loads into the run's base model
+(which fixes config, tokenizer and generation config, and whose content hash must match the
+run's), is written to a hidden temporary directory next to ``--out`` and renamed into place,
+so ``--out`` is either absent or complete. ``swarm_export.json`` in it names the run and
+each stage's inner step.
+
+Tied embeddings: a model that ties ``embed_tokens`` and ``lm_head`` trains one copy on the
+head and one on the tail. Equal copies export tied; different copies export untied
+(``tie_word_embeddings=False``, both tensors), so the file computes what the swarm computes.
+
+(Over 400 lines: both export forms (live peers, checkpoints) share the assembly, digest checks and
+the atomic Hugging Face directory writer.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from node.dp.anchors import WEIGHTS_HANDLER, weights_digest
+from node.model.checkpoint import CheckpointError, _pid_alive, list_checkpoints, load_checkpoint
+from node.model.loading import BUNDLED, BUNDLED_NAME, open_model
+from node.net.rpc import open_stream
+from node.net.transport import close_quietly
+from node.net.wire import Wire
+from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame
+
+log = logging.getLogger("node")
+
+EXPORT_JSON = "swarm_export.json"
+EMBED, HEAD, NORM = "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"
+_LOCAL = {"embed_tokens.weight": EMBED, "norm.weight": NORM, "lm_head.weight": HEAD}
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+_TINY_RE = re.compile(r"^tiny-llama-(\d+)x(\d+)$")
+
+
+class ExportError(RuntimeError):
+    """A one-line reason the export failed, with the fix."""
+
+
+@dataclass
+class StagePart:
+    """The weights of one stage, under its own (stage-local) parameter names."""
+
+    index: int
+    start: int
+    end: int
+    step: int
+    tensors: dict[str, torch.Tensor]
+    source: str  # peer id or checkpoint path
+    digest: str = ""
+
+
+@dataclass
+class Assembled:
+    model: torch.nn.Module
+    tokenizer: object | None
+    tied: bool
+    info: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------- names and assembly
+
+
+def global_name(name: str, start: int) -> str:
+    """Stage-local parameter name -> the whole model's name (layer j of a stage starting at ``start``)."""
+    m = _LAYER_RE.match(name)
+    if m:
+        return f"model.layers.{start + int(m.group(1))}.{m.group(2)}"
+    if name in _LOCAL:
+        return _LOCAL[name]
+    raise ExportError(f"stage tensor {name!r} has no place in a Llama-family model")
+
+
+def layer_count(tensors: dict[str, torch.Tensor]) -> int:
+    idx = [int(m.group(1)) for n in tensors if (m := _LAYER_RE.match(n))]
+    return max(idx) + 1 if idx else 0
+
+
+def assemble_state(parts: list[StagePart], base: torch.nn.Module) -> tuple[dict[str, torch.Tensor], bool]:
+    """The whole model's state dict from the stages, and whether embeddings stay tied.
+
+    Raises ExportError naming a missing stage or tensor, or a shape that does not fit.
+    """
+    want = base.state_dict()
+    tie_config = bool(getattr(base.config, "tie_word_embeddings", False))
+    out: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for name, t in part.tensors.items():
+            g = global_name(name, part.start)
+            if g not in want:
+                raise ExportError(f"stage {part.index} holds {name!r}, which the run's model does not have")
+            if tuple(t.shape) != tuple(want[g].shape):
+                raise ExportError(
+                    f"stage {part.index}: {name} has shape {list(t.shape)}, the model {list(want[g].shape)}"
+                )
+            out[g] = t.detach().to(torch.float32).cpu()
+    if tie_config and EMBED in out and HEAD not in out:
+        out[HEAD] = out[EMBED]  # a one-stage run trains the single shared tensor
+    tied = tie_config and torch.equal(out.get(EMBED, torch.empty(0)), out.get(HEAD, torch.empty(1)))
+    missing = sorted(set(want) - set(out))
+    if missing:
+        raise ExportError(
+            f"the stages lack {len(missing)} tensors of the model (first: {missing[0]}); a stage is "
+            "missing or was split differently"
+        )
+    return out, tied
+
+
+def build_model(parts: list[StagePart], base: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
+    """``base`` with the stages' weights loaded (untied when the head's and tail's copies differ)."""
+    state, tied = assemble_state(parts, base)
+    if getattr(base.config, "tie_word_embeddings", False) and not tied:
+        base.config.tie_word_embeddings = False
+        base.lm_head.weight = torch.nn.Parameter(state[HEAD].clone())
+    base.load_state_dict(state, strict=True)
+    return base.float().eval(), tied
+
+
+# ---------------------------------------------------------------------- writing
+
+
+def _clean_stale(out: Path) -> None:
+    """Temporary directories of earlier exports to ``out`` whose process died (SIGKILL, power loss)."""
+    pat = re.compile(rf"^\.{re.escape(out.name)}\.(?:tmp|old)-(\d+)-[0-9a-f]{{8}}$")
+    if not out.parent.is_dir():
+        return
+    for p in out.parent.iterdir():
+        m = pat.match(p.name)
+        if m and not _pid_alive(int(m.group(1))):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def write_export(
+    out: str | os.PathLike,
+    model: torch.nn.Module,
+    tokenizer,
+    info: dict,
+    replace: bool = False,
+    hook: Callable[[str, Path], None] | None = None,
+) -> Path:
+    """Write the HF checkpoint into a hidden temporary sibling of ``out``, then rename it into place.
+
+    ``hook(point, tmp)`` is called at ``"written"`` (everything in the temporary directory, before
+    the rename): tests interrupt there. Any exception removes the temporary directory.
+    """
+    out = Path(out).absolute()
+    if out.exists() and not replace:
+        raise ExportError(f"{out} already exists; pass a new --out, or --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _clean_stale(out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    old = out.with_name(f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp.mkdir()
+    try:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / EXPORT_JSON).write_text(json.dumps(info, indent=1))
+        if hook is not None:
+            hook("written", tmp)
+        if out.exists():  # --force: move the old one aside first; a directory rename cannot replace
+            os.rename(out, old)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not out.exists():
+            os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+# ---------------------------------------------------------------------- the base model
+
+
+def model_spec(run_model_name: str) -> str | None:
+    """The ``--model`` value that loads a run's model, from the name in its run record (None: unknown)."""
+    if run_model_name == BUNDLED_NAME:
+        return BUNDLED
+    m = _TINY_RE.match(run_model_name)
+    return f"tiny:{m.group(1)}:{m.group(2)}" if m else None
+
+
+def load_base(spec: str, seed: int, ranges: list[list[int]], want_hash: str, what: str):
+    """(whole model, tokenizer) of ``spec``, whose run hash over ``ranges`` must be the run's."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # ours is the transfer's; transformers' load/save bars are noise
+    source = open_model(spec, seed=seed)
+    got = source.run_hashes(ranges)[0]  # the run record's model hash: config and every stage's tensors
+    if got != want_hash:
+        raise ExportError(
+            f"--model {spec} ({source.name}, hash {got[:12]}) is not the model {what} trains (hash "
+            f"{want_hash[:12]}); pass the same --model (and --seed for tiny models) as the swarm"
+        )
+    return source.load_whole(), source.tokenizer()
+
+
+# ---------------------------------------------------------------------- from checkpoints
+
+
+def _stage_dirs(path: Path) -> list[Path]:
+    """Directories holding ckpt-* checkpoints under ``path`` (a state dir, checkpoints dir or stage dir)."""
+    if (path / "manifest.json").exists():
+        return [path.parent]
+    if any(p.name.startswith("ckpt-") for p in path.iterdir()):
+        return [path]
+    return sorted({p.parent for p in path.rglob("ckpt-*") if p.is_dir()})
+
+
+def parts_from_checkpoints(dirs: list[str], run_id: str | None = None) -> tuple[list[StagePart], dict]:
+    """The newest checkpoint of every stage in ``dirs`` (node state dirs, checkpoint dirs).
+
+    Every stage 0..S-1 must be present, the last holding ``lm_head``; the newest checkpoint of a
+    stage must verify (a corrupted one is an error, not silently replaced by an older one).
+    Returns the parts and the counters (run id, model hash) they share.
+    """
+    found: dict[str, dict[int, tuple]] = {}
+    for d in dirs:
+        p = Path(d)
+        if not p.is_dir():
+            raise ExportError(f"--checkpoints {d}: not a directory")
+        for sd in _stage_dirs(p):
+            ckpts = list_checkpoints(sd)
+            if not ckpts:
+                continue
+            try:
+                ck = load_checkpoint(ckpts[0])
+            except CheckpointError as e:
+                raise ExportError(
+                    f"checkpoint {ckpts[0]} failed verification: {e}; remove it to export the older one"
+                ) from None
+            c = ck.counters
+            key = str(c.get("run_id"))
+            prev = found.setdefault(key, {}).get(int(c["stage"]))
+            if prev is None or ck.step > prev[0].step:
+                found[key][int(c["stage"])] = (ck, c)
+    if not found:
+        raise ExportError(f"no checkpoints found in {' '.join(dirs)}")
+    if run_id is None:
+        if len(found) > 1:
+            raise ExportError(f"checkpoints of several runs ({', '.join(sorted(found))}): pass --run-id")
+        run_id = next(iter(found))
+    if run_id not in found:
+        raise ExportError(f"no checkpoints of run {run_id!r} in {' '.join(dirs)} (found: {', '.join(found)})")
+    stages = found[run_id]
+    hashes = {c.get("model_hash") for _, c in stages.values()}
+    if len(hashes) > 1:
+        raise ExportError(f"the checkpoints of run {run_id} are of different models")
+    parts, start = [], 0
+    for i in range(max(stages) + 1):
+        if i not in stages:
+            raise ExportError(
+                f"no checkpoint of stage {i} of run {run_id} in {' '.join(dirs)}; add the state "
+                "directory of a node that served it"
+            )
+        ck, _ = stages[i]
+        n = layer_count(ck.stage_state)
+        parts.append(StagePart(i, start, start + n, ck.step, dict(ck.stage_state), str(ck.path)))
+        start += n
+    if "lm_head.weight" not in parts[-1].tensors and "norm.weight" not in parts[-1].tensors:
+        raise ExportError(
+            f"no checkpoint of stage {len(parts)} or later (the tail is missing) of run {run_id} in "
+            f"{' '.join(dirs)}; add the state directories of the nodes that served them"
+        )
+    return parts, {"run_id": run_id, "model_hash": hashes.pop()}
+
+
+# ---------------------------------------------------------------------- from live peers
+
+
+@dataclass
+class _Visitor:
+    """What a weights request needs of a node: its p2p, wire and run (``node.net.rpc.request`` style)."""
+
+    p2p: object
+    wire: Wire
+    run_id: str
+
+
+async def pull_stage(
+    v: _Visitor, peer: str, index: int, timeout: float, progress=None
+) -> tuple[int, dict, str]:
+    """fp32 weights of one peer's stage: (its inner step, tensors, digest), digest checked."""
+    # not rpc.request: the frames are read one by one, for the progress callback
+    reader, writer = await open_stream(v.p2p, peer, WEIGHTS_HANDLER, timeout)
+    named: dict[str, torch.Tensor] = {}
+    try:
+        req = Frame(kind="weights", run_id=v.run_id, meta={"dtype": "float32"})
+        await v.wire.send(writer, encode_frame(req), timeout)
+        while True:
+            reply = decode_frame(await v.wire.recv(reader, MAX_FRAME_BYTES, timeout), run_id=v.run_id)
+            if reply.kind != "weights":
+                raise FrameError(f"expected weights, got a {reply.kind} frame")
+            named.update(reply.tensors)
+            if progress is not None:
+                progress(sum(t.numel() * t.element_size() for t in reply.tensors.values()))
+            if reply.meta.get("last"):
+                step, digest = reply.step, str(reply.meta.get("digest", ""))
+                break
+    finally:
+        close_quietly(writer)
+    if not digest:
+        raise ExportError(f"peer {peer[:12]} of stage {index} sends no weights digest; it runs an older node")
+    if weights_digest(named) != digest:
+        raise ExportError(f"stage {index} from peer {peer[:12]}: weights digest mismatch")
+    return step, named, digest
+
+
+async def _pull_all(v: _Visitor, run, routes, bytes_per_stage: list[int], timeout: float) -> list[StagePart]:
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    parts = []
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        console=Console(stderr=True),  # stdout keeps only the result line
+    ) as bar:
+        for i, (start, end) in enumerate(run.stages):
+            peers = sorted(
+                ((p, r) for p, r in routes[i].items() if r.ready and r.circuit == "fast"),
+                key=lambda kv: -kv[1].inner_step,
+            )
+            if not peers:
+                raise ExportError(
+                    f"stage {i} (layers {start}..{end - 1}) has no live peer; wait for one to join, or "
+                    "export offline with --checkpoints"
+                )
+            task = bar.add_task(f"stage {i}", total=bytes_per_stage[i])
+            last_error = ""
+            for peer, _ in peers:
+                bar.reset(task, total=bytes_per_stage[i])
+                try:
+                    step, named, digest = await pull_stage(
+                        v, peer, i, timeout, progress=lambda n, t=task: bar.advance(t, n)
+                    )
+                    parts.append(StagePart(i, start, end, step, named, peer, digest))
+                    break
+                except (ExportError, FrameError, asyncio.TimeoutError, OSError, ConnectionError) as e:
+                    last_error = str(e) or type(e).__name__
+                    log.info("weights of stage %d from %s failed: %s", i, peer[:12], last_error)
+            else:
+                raise ExportError(f"no peer of stage {i} delivered its weights ({last_error})")
+    return parts
+
+
+def stage_bytes(base: torch.nn.Module, ranges: list[list[int]]) -> list[int]:
+    """fp32 bytes of every stage's parameters (the progress bar's totals)."""
+    size = {n: t.numel() * 4 for n, t in base.state_dict().items()}
+    out = []
+    for i, (start, end) in enumerate(ranges):
+        n = sum(
+            v
+            for k, v in size.items()
+            if (m := re.match(r"^model\.layers\.(\d+)\.", k)) and start <= int(m.group(1)) < end
+        )
+        n += size.get(EMBED, 0) if i == 0 else 0
+        n += size.get(NORM, 0) + size.get(HEAD, 0) if i == len(ranges) - 1 else 0
+        out.append(n)
+    return out
+
+
+def export_from_peers(
+    out: str | os.PathLike,
+    peers: list[str],
+    run_id: str = "default",
+    swarm_key: str | None = None,
+    model: str | None = None,
+    timeout: float = 60.0,
+    replace: bool = False,
+) -> Assembled:
+    """Join the DHT as a visitor, pull every stage from a live peer, write the checkpoint to ``out``."""
+    from node.config import NodeConfig
+    from node.swarm.membership import (
+        JoinError,
+        read_run_record,
+        read_stage_records_sync,
+        remove_socket_dir,
+        socket_dir,
+        start_dht,
+    )
+    from protocol.auth import key_id, load_swarm_key
+
+    key = load_swarm_key(swarm_key) if swarm_key else None
+    sockdir = socket_dir(run_id)
+    dht = None
+    try:
+        with tempfile.TemporaryDirectory() as state:
+            # a throwaway identity: the exporter is a visitor, not a member
+            cfg = NodeConfig(
+                peers=peers, run_id=run_id, join_timeout=timeout, client_mode=True, state_dir=state
+            )
+            dht = start_dht(cfg)
+            run = read_run_record(dht, run_id, timeout=timeout)
+            if run is None:
+                raise ExportError(
+                    f"no run {run_id!r} found at {peers[0]} within {timeout:.0f}s; check --run-id"
+                )
+            if run.key_id and (key is None or key_id(key) != run.key_id):
+                raise ExportError(
+                    "this swarm only answers holders of its swarm key: pass --swarm-key FILE"
+                    if key is None
+                    else "--swarm-key is not this swarm's key (fingerprints differ)"
+                )
+            if run.mode != "finetune":
+                raise ExportError(f"export handles fine-tuning runs; run {run_id} is a {run.mode} run")
+            spec = model or model_spec(run.model_name)
+            if spec is None:
+                raise ExportError(
+                    f"the run trains {run.model_name}: pass --model with that checkpoint directory"
+                )
+            base, tok = load_base(spec, run.seed, run.stages, run.model_hash, f"run {run_id}")
+            routes = read_stage_records_sync(dht, run.run_id, len(run.stages))
+
+            async def pull() -> list[StagePart]:
+                p2p = await dht.replicate_p2p()
+                v = _Visitor(p2p, Wire(key), run.run_id)
+                return await _pull_all(v, run, routes, stage_bytes(base, run.stages), timeout)
+
+            parts = asyncio.run(pull())
+    except JoinError as e:
+        raise ExportError(str(e)) from None
+    finally:
+        if dht is not None:
+            dht.shutdown()
+        remove_socket_dir(sockdir)
+    return _finish(
+        out, parts, base, tok, {"run_id": run.run_id, "model_hash": run.model_hash}, "peers", replace
+    )
+
+
+def export_from_checkpoints(
+    out: str | os.PathLike,
+    dirs: list[str],
+    run_id: str | None = None,
+    model: str = BUNDLED,
+    seed: int = 0,
+    replace: bool = False,
+    hook: Callable[[str, Path], None] | None = None,
+) -> Assembled:
+    """Assemble ``out`` offline from the newest checkpoint of every stage found in ``dirs``."""
+    parts, run = parts_from_checkpoints(dirs, run_id)
+    ranges = [[p.start, p.end] for p in parts]
+    base, tok = load_base(model, seed, ranges, run["model_hash"], f"the checkpoints of run {run['run_id']}")
+    return _finish(out, parts, base, tok, run, "checkpoints", replace, hook)
+
+
+def _finish(out, parts, base, tok, run: dict, source: str, replace: bool, hook=None) -> Assembled:
+    tie_config = bool(getattr(base.config, "tie_word_embeddings", False))
+    model, tied = build_model(parts, base)
+    info = {
+        "run_id": run["run_id"],
+        "base_model_hash": run["model_hash"],
+        "source": source,
+        # "untied": the base model ties them, but the head's and the tail's copies trained apart
+        "embeddings": "tied" if tied else "untied" if tie_config else "separate",
+        "stages": [
+            {"index": p.index, "layers": [p.start, p.end], "inner_step": p.step, "from": p.source}
+            for p in parts
+        ],
+        "exported_at": time.time(),
+    }
+    write_export(out, model, tok, info, replace=replace, hook=hook)
+    return Assembled(model, tok, tied, info)
