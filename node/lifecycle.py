@@ -21,15 +21,7 @@ import signal
 import time
 
 from compression.spectral import SpectralFilter
-from node.dp.anchors import (
-    ANCHOR_HANDLER,
-    WEIGHTS_HANDLER,
-    AnchorClient,
-    PacketSink,
-    WeightServer,
-    fast_peers_of_stage,
-    pull_weights,
-)
+from node.dp.anchors import ANCHOR_HANDLER, AnchorClient, PacketSink
 from node.dp.scape import SCAPE_HANDLER, ScapeSync
 from node.dp.tied import TIED_HANDLER, TiedExchange
 from node.net.alive import ALIVE_HANDLER, handle_alive
@@ -47,6 +39,8 @@ from node.stop_signal import StopRequest
 from node.swarm.health import write_health
 from node.swarm.membership import store_stage_record
 from node.swarm.rebalance import Rebalancer, choose_move, move_reason
+from node.swarm.routing import fast_peers_of_stage
+from node.swarm.weights import WEIGHTS_HANDLER, WeightServer, pull_weights
 from protocol.records import STAGE_RECORD_BEATS, StageRecord
 
 log = logging.getLogger("node")

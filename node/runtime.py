@@ -7,7 +7,8 @@ Which room a line belongs in:
 * ``node.stage.linkio``: the two links; frames built, validated, encoded, decoded; bases
 * ``node.stage.hop``: choose a peer, call, retry, watch for peers that left; the routes
 * ``node.stage.server``: the forward stream handler, bans, error mapping, byte counting, reply first
-* ``node.stage.step``: the step gate, the accumulator, the step strategies (AdamW, SCAPE, anchor)
+* ``node.stage.step``: the step gate and the accumulator
+* ``node.dp.strategies``, ``node.dp.scape``: the step strategies (AdamW, anchor; SCAPE)
 * ``node.stage.state``: checkpoints of the stateful parts; ``node.stage.metrics``; ``node.lifecycle``
 * ``node.stage.context``: what all of them share (run, stage, transport, routes, step counter)
 
@@ -22,8 +23,9 @@ import torch
 
 from compression.spectral import SpectralFilter
 from node.config import NodeConfig
-from node.dp.anchors import AnchorClient, PacketSink, WeightServer
+from node.dp.anchors import AnchorClient, PacketSink
 from node.dp.scape import ScapeSync
+from node.dp.strategies import AdamWStep, AnchorStep
 from node.dp.tied import TiedExchange, tied_parameter
 from node.lifecycle import Lifecycle
 from node.model.stages import Stage
@@ -35,7 +37,8 @@ from node.stage.metrics import Metrics
 from node.stage.pipeline import Pipeline
 from node.stage.server import ForwardServer
 from node.stage.state import StageState
-from node.stage.step import AdamWStep, AnchorStep, Busy, StepGate, Stepper
+from node.stage.step import Busy, StepGate, Stepper
+from node.swarm.weights import WeightServer
 from protocol.records import RunRecord
 
 __all__ = ["HANDLER", "Busy", "HopFailed", "StageRuntime", "gone_peers"]

@@ -278,9 +278,9 @@ def test_live_pull_checks_the_digest_over_real_streams():
     """The real WeightServer over real libp2p: an intact pull is exact fp32, a flipped byte is refused."""
     from hivemind.p2p import P2P
 
-    from node.dp.anchors import WEIGHTS_HANDLER, WeightServer
     from node.net.wire import Wire
     from node.swarm.export import _Visitor
+    from node.swarm.weights import WEIGHTS_HANDLER, WeightServer
 
     model = load_model("tiny:4", seed=0)[0]
     stage = _trained_stages(model, RANGES3)[1]

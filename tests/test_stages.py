@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from compression.codec import DenseCodec, LinkContext
+from node.dp.strategies import mean_and_clip
 from node.dp.tied import partner_gradient, tied_payload
 from node.model.loading import load_model, tiny_config
 from node.model.stages import IGNORE_INDEX, balance_layers, build_stage, causal_lm_loss, default_stage_ranges
-from node.stage.step import mean_and_clip
 from protocol.frames import Frame, decode_frame, encode_frame
 
 

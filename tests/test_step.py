@@ -1,12 +1,13 @@
-"""``node.stage.step``: ``mean_and_clip`` (the one place summed microbatch gradients become the step's mean,
-clipped) and ``StepGate`` (bounded in-flight work; a step only when none is in flight)."""
+"""``node.dp.strategies.mean_and_clip`` (the one place summed microbatch gradients become the step's
+mean, clipped) and ``StepGate`` (bounded in-flight work; a step only when none is in flight)."""
 
 import asyncio
 
 import pytest
 import torch
 
-from node.stage.step import Busy, StepGate, mean_and_clip, outer_round_due
+from node.dp.strategies import mean_and_clip, outer_round_due
+from node.stage.step import Busy, StepGate
 
 
 def _summed_grads(model: torch.nn.Module, batches: list[torch.Tensor]) -> None:

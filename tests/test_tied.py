@@ -11,12 +11,12 @@ import sys
 import pytest
 import torch
 
+from node.dp.strategies import mean_and_clip
 from node.dp.tied import partner_gradient, tied_payload
 from node.model.checkpoint import load_latest
 from node.model.data import ByteTokenizer, Example, collate, tokenize
 from node.model.loading import tiny_config
 from node.model.stages import causal_lm_loss, default_stage_ranges
-from node.stage.step import mean_and_clip
 from protocol.frames import FrameError
 from tests.conftest import wait_for
 

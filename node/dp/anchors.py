@@ -1,7 +1,7 @@
 """The anchor circuit (DESIGN.md 4.2): dense replicas a few steps behind feed the fast ones' filter.
 
-* Fast nodes serve their stage's weights (``vnode.weights``) and accept gradient packets
-  (``vnode.anchor``), which go into their SpectralFilter, tagged with the source step.
+* Fast nodes serve their stage's weights (``vnode.weights``, node/swarm/weights.py) and accept
+  gradient packets (``vnode.anchor``), which go into their SpectralFilter, tagged with the source step.
 * Anchor nodes pull weights from a fast peer of their stage whenever those are more than
   ``pull_every`` fast steps old, train unmasked on their own dense pipeline without an
   optimizer step, and after each local batch send the gradients of the targeted matrices
@@ -20,7 +20,6 @@ attributes, so ``pull_weights(runtime)`` works too.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 
 import torch
@@ -29,6 +28,8 @@ from compression.spectral import is_target_matrix
 from node.net import rpc
 from node.net.transport import close_quietly
 from node.net.wire import IDLE_S
+from node.swarm.routing import anchor_peers_of_stage, fast_peers_of_stage
+from node.swarm.weights import chunks, pull_weights
 from protocol.frames import (
     MAX_FRAME_BYTES,
     MAX_TENSORS,
@@ -42,7 +43,6 @@ from protocol.frames import (
 
 log = logging.getLogger("node")
 
-WEIGHTS_HANDLER = "vnode.weights"
 ANCHOR_HANDLER = "vnode.anchor"
 FACTORS_PER_FRAME = MAX_TENSORS // 2
 # |entry| of a factor (U·diag(s) or V): an honest one is bounded by the gradient's spectral norm,
@@ -68,62 +68,6 @@ def factorize(grad: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor
         torch.random.set_rng_state(gen_state)  # svd_lowrank draws from the global RNG
         vh = v.T
     return (u[:, :r] * s[:r]).contiguous(), vh[:r].T.contiguous()
-
-
-def chunks(items: list, n: int) -> list[list]:
-    return [items[i : i + n] for i in range(0, len(items), n)]
-
-
-class WeightServer:
-    """Fast side: serve a consistent snapshot of the stage's weights (taken in the compute thread)."""
-
-    def __init__(self, ctx):
-        self.rt = ctx
-        self.bytes_served = 0
-
-    async def handle(self, stream_info, reader, writer) -> None:
-        rt = self.rt
-        try:
-            req = decode_frame(await rt.wire.recv(reader, 4096, rt.cfg.hop_timeout), run_id=rt.run.run_id)
-            if req.kind != "weights":
-                raise FrameError("expected a weights request")
-            # export asks for the exact fp32 weights and a digest; joiners and anchors get bf16
-            exact = req.meta.get("dtype") == "float32"
-            step, named = await rt.compute(self._snapshot, torch.float32 if exact else torch.bfloat16)
-            digest = await asyncio.to_thread(weights_digest, named) if exact else ""  # off the event loop
-            groups = chunks(sorted(named.items()), MAX_TENSORS)
-            for i, group in enumerate(groups):
-                last = i == len(groups) - 1
-                data = encode_frame(
-                    Frame(
-                        kind="weights",
-                        run_id=rt.run.run_id,
-                        step=step,
-                        tensors=dict(group),
-                        meta={"last": 1, "digest": digest} if last else {"last": 0},
-                    )
-                )
-                self.bytes_served += len(data)
-                await rt.wire.send(writer, data, rt.cfg.hop_timeout)
-        except Exception as e:
-            log.debug("weights stream ended: %s", e)
-        finally:
-            close_quietly(writer)
-
-    def _snapshot(self, dtype: torch.dtype = torch.bfloat16) -> tuple[int, dict[str, torch.Tensor]]:
-        return self.rt.inner_step, {
-            n: p.detach().to(dtype).cpu().clone() for n, p in self.rt.stage.named_parameters()
-        }
-
-
-def weights_digest(named: dict[str, torch.Tensor]) -> str:
-    """sha256 over the names, dtypes, shapes and bytes of a weight snapshot (sent with its last frame)."""
-    h = hashlib.sha256()
-    for name, t in sorted(named.items()):
-        h.update(f"{name}|{str(t.dtype)}|{list(t.shape)}|".encode())
-        raw = t.detach().contiguous().cpu()
-        h.update(raw.reshape(-1).view(torch.uint8).numpy().tobytes() if raw.numel() else b"")
-    return h.hexdigest()
 
 
 class PacketSink:
@@ -207,18 +151,6 @@ class PacketSink:
         return n
 
 
-def fast_peers_of_stage(rt) -> dict:
-    """Ready fast peers of this node's stage, other than itself."""
-    return {
-        p: r for p, r in rt.routes[rt.index].items() if r.ready and r.circuit == "fast" and p != rt.peer_id
-    }
-
-
-def anchor_peers_of_stage(rt) -> dict:
-    """Anchor peers this node's stage records announce (ready or still pulling), other than itself."""
-    return {p: r for p, r in rt.routes[rt.index].items() if r.circuit == "anchor" and p != rt.peer_id}
-
-
 def _bad_factors(pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> str | None:
     """The first entry whose factors are non-finite or beyond ``MAX_FACTOR``; None if all are sane."""
     for name, a, b in pairs:
@@ -226,45 +158,6 @@ def _bad_factors(pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> str | N
             if t.numel() and not bool(t.float().abs().max() <= MAX_FACTOR):  # NaN fails the comparison
                 return name
     return None
-
-
-async def pull_weights(rt) -> tuple[int, int] | None:
-    """Load the weights of the most advanced fast peer of our stage; (its step, bytes) or None.
-
-    Anchors use it to stay a few steps behind; a node joining a stage mid-run uses it once,
-    so it starts from the swarm's current weights rather than the pretrained ones.
-    """
-    peers = sorted(fast_peers_of_stage(rt).items(), key=lambda kv: -kv[1].inner_step)
-    for peer, _ in peers:
-        try:
-            request = Frame(kind="weights", run_id=rt.run.run_id)
-            frames, _, _ = await rpc.request(
-                rt.p2p,
-                rt.wire,
-                peer,
-                WEIGHTS_HANDLER,
-                request,
-                rt.cfg.hop_timeout * 4,
-                rt.run.run_id,
-                stream=True,
-            )
-            named = {k: v for f in frames for k, v in f.tensors.items()}
-            own = dict(rt.stage.named_parameters())
-            if set(named) != set(own) or any(named[k].shape != own[k].shape for k in own):
-                raise FrameError("weights do not match this stage's parameters")
-            await rt.compute(_load_weights, rt.stage, named)
-            nbytes = sum(t.numel() * t.element_size() for f in frames for t in f.tensors.values())
-            log.info("pulled the weights of step %d from %s (%d bytes)", frames[0].step, peer[:12], nbytes)
-            return frames[0].step, nbytes
-        except (FrameError, asyncio.TimeoutError, OSError, ConnectionError) as e:
-            log.info("weight pull from %s failed: %s", peer[:12], e)
-    return None
-
-
-def _load_weights(stage, named: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for n, p in stage.named_parameters():
-            p.copy_(named[n].to(p.dtype))
 
 
 class AnchorClient:

@@ -47,7 +47,7 @@ to be agreed across the change. A replica behind in step count (a joiner, a resu
 jumps to the step its peers' values name. Adoption costs 12 bytes per parameter, once.
 
 The first moments, the error buffer, the lineage and the step count are checkpointed with
-the stage (``state_dict``). ``ScapeSync`` is a step strategy (``node.stage.step``): it gets the
+the stage (``state_dict``). ``ScapeSync`` is a step strategy (``node.stage.step.StepStrategy``): it gets the
 stage's shared context, the step gate and the route refresh, never the runtime, and returns
 the step index it took (a replica that lags joins its peers at theirs).
 """
@@ -63,7 +63,6 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from compression.scape import adams_masked_step_, adams_step_, mask_scores, next_mask
-from node.dp.anchors import fast_peers_of_stage
 from node.dp.scape_wire import (  # noqa: F401  (INITIAL_LINEAGE, winning_lineage: re-exported)
     ANCHOR_CHUNK,
     INITIAL_LINEAGE,
@@ -75,10 +74,12 @@ from node.dp.scape_wire import (  # noqa: F401  (INITIAL_LINEAGE, winning_lineag
     param_digest,
     winning_lineage,
 )
+from node.dp.strategies import mean_and_clip
 from node.net.rpc import PeerUnreachable, send_only
 from node.net.transport import close_quietly
 from node.net.wire import IDLE_S
-from node.stage.step import StepGate, StepResult, mean_and_clip
+from node.stage.step import StepGate, StepResult
+from node.swarm.routing import fast_peers_of_stage
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame
 
 log = logging.getLogger("node")

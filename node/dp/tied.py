@@ -7,7 +7,7 @@ the embedding gradient between its first and last stage, at every inner step, af
 before clipping and AdamW, each side sends its mean gradient of the tied tensor to the ready peers
 of the partner stage (``vnode.tied``) and adds what the partner sent for the same step index. Both
 copies then take the same summed gradient (fp32 addition commutes: a + b == b + a bit for bit),
-the same clip (``node.stage.step.mean_and_clip`` clips the tied tensor by its own norm, on both sides)
+the same clip (``node.dp.strategies.mean_and_clip`` clips the tied tensor by its own norm, on both sides)
 and the same AdamW update from the same AdamW state: they stay bit-identical. That is the model
 ``bench/quality.py`` trains in one process, where the tensor is one shared parameter.
 
@@ -48,14 +48,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol
 
 import torch
 
-from node.dp.anchors import fast_peers_of_stage
 from node.net import rpc
 from node.net.transport import close_quietly
 from node.stage.context import StageContext
+from node.stage.step import StepGate
+from node.swarm.routing import fast_peers_of_stage
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame
 
 log = logging.getLogger("node")
@@ -108,10 +108,6 @@ def partner_gradient(
     return torch.zeros_like(param).index_copy_(0, ids.to(param.device), rows.to(param.device))
 
 
-class Gate(Protocol):  # node.stage.step.StepGate (node.stage.step imports this module)
-    async def set_refusing(self, refusing: bool) -> None: ...
-
-
 class TiedExchange:
     """One end of the exchange: send our step's mean gradient, receive the partner's (``handle``)."""
 
@@ -146,7 +142,7 @@ class TiedExchange:
         """One head and one tail: steps pair by index, and the exchange is exact."""
         return len(partners) == 1 and not fast_peers_of_stage(self.ctx)
 
-    async def exchange(self, step: int, mean: torch.Tensor, gate: Gate) -> torch.Tensor | None:
+    async def exchange(self, step: int, mean: torch.Tensor, gate: StepGate) -> torch.Tensor | None:
         """Send ``mean`` for ``step`` to the partner stage; the partner's, or None at the deadline.
 
         ``gate``: our step's; while we wait for the partner it turns new microbatches away, since
@@ -157,7 +153,7 @@ class TiedExchange:
         finally:
             self.done_step = max(self.done_step, step)
 
-    async def _exchange(self, step: int, mean: torch.Tensor, gate: Gate) -> torch.Tensor | None:
+    async def _exchange(self, step: int, mean: torch.Tensor, gate: StepGate) -> torch.Tensor | None:
         ctx, m = self.ctx, self.ctx.metrics
         peers = self._partners()
         if not peers:  # routes are refreshed each heartbeat: a partner that just came may be missing

@@ -4,7 +4,7 @@ Two sources of the stages' weights:
 
 * live peers (``--peers``): one ready fast peer per stage (the most advanced) streams its
   weights in fp32 over the swarm's own authenticated ``vnode.weights`` streams; the last
-  frame carries a sha256 of the snapshot (``node.dp.anchors.weights_digest``), checked here.
+  frame carries a sha256 of the snapshot (``node.swarm.weights.weights_digest``), checked here.
 * checkpoint directories (``--checkpoints``): the newest checkpoint of every stage, verified
   by its manifest digests (``node.model.checkpoint``); stage layer ranges follow from the layer
   counts in stage order.
@@ -41,12 +41,12 @@ from pathlib import Path
 
 import torch
 
-from node.dp.anchors import WEIGHTS_HANDLER, weights_digest
 from node.model.checkpoint import CheckpointError, _pid_alive, list_checkpoints, load_checkpoint
 from node.model.loading import BUNDLED, BUNDLED_NAME, open_model
 from node.net.rpc import open_stream
 from node.net.transport import close_quietly
 from node.net.wire import Wire
+from node.swarm.weights import WEIGHTS_HANDLER, weights_digest
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame
 
 log = logging.getLogger("node")

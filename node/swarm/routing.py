@@ -61,3 +61,15 @@ def choose_stage(
 
     candidates = [i for i in range(len(stages)) if allowed is None or i in allowed]
     return min(candidates, key=load)
+
+
+def fast_peers_of_stage(rt) -> dict:
+    """Ready fast peers of this node's stage, other than itself."""
+    return {
+        p: r for p, r in rt.routes[rt.index].items() if r.ready and r.circuit == "fast" and p != rt.peer_id
+    }
+
+
+def anchor_peers_of_stage(rt) -> dict:
+    """Anchor peers this node's stage records announce (ready or still pulling), other than itself."""
+    return {p: r for p, r in rt.routes[rt.index].items() if r.circuit == "anchor" and p != rt.peer_id}

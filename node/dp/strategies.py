@@ -1,0 +1,168 @@
+"""The step strategies: what a stage does with its summed gradients once its batch is in.
+
+* ``AdamWStep``: mean, the tied tensor's exchange (``node.dp.tied``), spectral filter (anchor
+  priors), clip, AdamW; DiLoCo outer rounds every H (``node.dp.diloco``).
+* ``node.dp.scape.ScapeSync``: mean, clip, a sparse exchange with the stage's replicas, AdamS.
+* ``AnchorStep``: mean, then the gradients go to the fast peers; no optimizer step.
+
+``mean_and_clip`` is the one place the summed gradients become the step's mean, clipped. Each
+strategy fills ``node.stage.step.StepStrategy``; the stage's ``Stepper`` calls it under its gate.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from compression.spectral import SpectralFilter, filter_gradients
+from node.dp.anchors import AnchorClient
+from node.dp.tied import TiedExchange
+from node.stage.context import StageContext
+from node.stage.step import StepGate, StepResult
+from node.swarm.routing import fast_peers_of_stage
+
+log = logging.getLogger("node")
+
+
+def mean_and_clip(
+    params: list[torch.nn.Parameter],
+    microbatches: int,
+    clip: float | None,
+    before_clip: Callable[[], None] | None = None,
+    tied: tuple[torch.nn.Parameter, torch.Tensor | None] | None = None,
+) -> bool:
+    """Turn summed gradients into their mean over ``microbatches``, then clip them to ``clip``.
+
+    ``before_clip`` runs on the mean (the spectral filter). False when the gradient norm is not
+    finite: such a gradient must never reach the weights. ``clip=None`` only takes the mean.
+    ``tied``: this stage's copy of a tied tensor and the partner stage's mean gradient of it
+    (``node.dp.tied``), added to ours; the tensor is clipped by its own norm, which both copies
+    share, so the head and the tail clip it alike whatever the rest of their stages hold.
+    """
+    n = max(microbatches, 1)
+    for p in params:
+        if p.grad is not None:
+            p.grad.div_(n)
+    own = None
+    if tied is not None:
+        own, partner = tied
+        if partner is not None:
+            own.grad = partner.clone() if own.grad is None else own.grad.add_(partner)
+    if before_clip is not None:
+        before_clip()
+    if clip is None:
+        return True
+    rest = [p for p in params if p is not own]
+    ok = bool(torch.isfinite(torch.nn.utils.clip_grad_norm_(rest, clip)))
+    if own is not None:
+        ok = bool(torch.isfinite(torch.nn.utils.clip_grad_norm_([own], clip))) and ok
+    return ok
+
+
+class AdamWStep:
+    """AdamW on the stage's mean gradient; with ``outer``, a DiLoCo round every H inner steps."""
+
+    def __init__(
+        self,
+        ctx: StageContext,
+        gate: StepGate,
+        opt: torch.optim.Optimizer,
+        spectral: SpectralFilter | None,
+        outer=None,
+        tied: TiedExchange | None = None,
+    ) -> None:
+        self.ctx, self.gate, self.opt, self.spectral, self.outer = ctx, gate, opt, spectral, outer
+        self.tied = tied
+        self.last_round: int | None = None  # the stage round this replica took last (None: not yet known)
+
+    def _apply(self, microbatches: int, tied_partner: torch.Tensor | None = None) -> bool:
+        ctx = self.ctx
+
+        def spectral_filter() -> None:  # anchor priors: filter, then clip, then AdamW (DESIGN 4.2)
+            t0 = time.perf_counter()
+            filter_gradients(self.spectral, ctx.stage.named_parameters())
+            ctx.metrics.filter_s += time.perf_counter() - t0
+
+        hook = spectral_filter if self.spectral is not None else None
+        tied = (self.tied.param, tied_partner) if self.tied is not None else None
+        ok = mean_and_clip(ctx.params, microbatches, ctx.run.clip, hook, tied)
+        if ok:
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return ok
+
+    async def step(self, t: int, microbatches: int) -> StepResult:
+        partner = None
+        if self.tied is not None:
+            mean = await self.ctx.compute(self.tied.own_mean, microbatches)
+            partner = await self.tied.exchange(t, mean, self.gate)
+        ok = await self.ctx.compute(self._apply, microbatches, partner)
+        # step t is taken: announce t + 1 before a round, so the replicas still short of the
+        # boundary see from this record that the stage's round has begun (outer_round_due)
+        self.ctx.inner_step = t + 1
+        await self._maybe_outer_round(t + 1)
+        return StepResult(ok, t)
+
+    async def _maybe_outer_round(self, step: int) -> None:
+        """Average pseudo-gradients with the stage's live replicas once per stage round (DESIGN 4.3)."""
+        ctx = self.ctx
+        every = ctx.run.outer.every
+        if self.outer is None or every <= 0:
+            return
+        peers = fast_peers_of_stage(ctx)
+        steps = [r.inner_step for r in peers.values()]
+        if self.last_round is None:
+            # first look (a fresh start, a resume, a joiner that adopted the last round's outer state):
+            # rounds from the next boundary on, not one its replicas are already past
+            self.last_round = max([step - 1, *steps]) // every
+        due = outer_round_due(step, steps, every, self.last_round)
+        if due is None:
+            return
+        self.last_round = due
+        if not peers:  # alone on the stage: nobody to average with
+            ctx.metrics.outer_alone += 1
+            return
+        # Replicas meet only if the others can reach their round while we wait in ours: turn
+        # microbatches away (upstream retries them on another replica) instead of holding them.
+        log.debug("outer round %d at inner step %d (replicas at %s)", due, step, steps)
+        t0 = time.time()
+        await self.gate.set_refusing(True)
+        try:
+            stats = await ctx.compute(self.outer.round, due)
+        finally:
+            await self.gate.set_refusing(False)
+        ctx.metrics.outer_rounds.append({**stats.as_dict(), "step": step, "peer_steps": steps, "started": t0})
+        if stats.skipped:
+            log.info("outer round %d skipped: %s", stats.round, stats.reason)
+
+
+def outer_round_due(own_step: int, peer_steps: list[int], every: int, last_round: int) -> int | None:
+    """The stage round to take now, or None.
+
+    Rounds follow the stage's furthest replica (the inner step its stage record announces), not
+    this replica's own count. Replicas step at different rates (two heads share the same tails; a
+    volunteer's GPU is slower than another's), so each one's own step-H boundary comes at a
+    different time, and the first there waits out the round's timeout alone; following the
+    furthest, the slower replicas join the round it is in within a heartbeat. DiLoCo's
+    pseudo-gradient is the distance from the last outer model, so a replica that took fewer inner
+    steps since then still contributes a valid (shorter) one.
+    """
+    r = max([own_step, *peer_steps]) // every
+    return r if r > last_round else None
+
+
+class AnchorStep:
+    """Anchors take no optimizer step: their mean gradients go to the stage's fast peers."""
+
+    def __init__(self, ctx: StageContext, anchor: AnchorClient) -> None:
+        self.ctx, self.anchor = ctx, anchor
+
+    async def step(self, t: int, microbatches: int) -> StepResult:
+        await self.ctx.compute(mean_and_clip, self.ctx.params, microbatches, None)
+        await self.anchor.send_packets()
+        if self.anchor.needs_pull():
+            await self.anchor.pull()
+        return StepResult(True, t)

@@ -1,0 +1,124 @@
+"""A stage's weights over the swarm (``vnode.weights``): served by every fast node, pulled by joiners.
+
+A node joining a stage mid-run pulls the most advanced replica's weights once, so it starts from
+the swarm's current weights rather than the pretrained ones; anchors pull them every few fast
+steps; ``node export`` pulls an exact fp32 copy with a sha256 digest (``weights_digest``).
+Weights travel in bf16 (fp32 when export asks), in frames of at most ``MAX_TENSORS`` tensors.
+
+The server gets the stage's shared context (run, stage, transport, compute thread), never the
+runtime; a ``StageRuntime`` offers the same attributes, so ``pull_weights(runtime)`` works too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+
+import torch
+
+from node.net import rpc
+from node.net.transport import close_quietly
+from node.swarm.routing import fast_peers_of_stage
+from protocol.frames import MAX_TENSORS, Frame, FrameError, decode_frame, encode_frame
+
+log = logging.getLogger("node")
+
+WEIGHTS_HANDLER = "vnode.weights"
+
+
+def chunks(items: list, n: int) -> list[list]:
+    return [items[i : i + n] for i in range(0, len(items), n)]
+
+
+class WeightServer:
+    """Fast side: serve a consistent snapshot of the stage's weights (taken in the compute thread)."""
+
+    def __init__(self, ctx):
+        self.rt = ctx
+        self.bytes_served = 0
+
+    async def handle(self, stream_info, reader, writer) -> None:
+        rt = self.rt
+        try:
+            req = decode_frame(await rt.wire.recv(reader, 4096, rt.cfg.hop_timeout), run_id=rt.run.run_id)
+            if req.kind != "weights":
+                raise FrameError("expected a weights request")
+            # export asks for the exact fp32 weights and a digest; joiners and anchors get bf16
+            exact = req.meta.get("dtype") == "float32"
+            step, named = await rt.compute(self._snapshot, torch.float32 if exact else torch.bfloat16)
+            digest = await asyncio.to_thread(weights_digest, named) if exact else ""  # off the event loop
+            groups = chunks(sorted(named.items()), MAX_TENSORS)
+            for i, group in enumerate(groups):
+                last = i == len(groups) - 1
+                data = encode_frame(
+                    Frame(
+                        kind="weights",
+                        run_id=rt.run.run_id,
+                        step=step,
+                        tensors=dict(group),
+                        meta={"last": 1, "digest": digest} if last else {"last": 0},
+                    )
+                )
+                self.bytes_served += len(data)
+                await rt.wire.send(writer, data, rt.cfg.hop_timeout)
+        except Exception as e:
+            log.debug("weights stream ended: %s", e)
+        finally:
+            close_quietly(writer)
+
+    def _snapshot(self, dtype: torch.dtype = torch.bfloat16) -> tuple[int, dict[str, torch.Tensor]]:
+        return self.rt.inner_step, {
+            n: p.detach().to(dtype).cpu().clone() for n, p in self.rt.stage.named_parameters()
+        }
+
+
+def weights_digest(named: dict[str, torch.Tensor]) -> str:
+    """sha256 over the names, dtypes, shapes and bytes of a weight snapshot (sent with its last frame)."""
+    h = hashlib.sha256()
+    for name, t in sorted(named.items()):
+        h.update(f"{name}|{str(t.dtype)}|{list(t.shape)}|".encode())
+        raw = t.detach().contiguous().cpu()
+        h.update(raw.reshape(-1).view(torch.uint8).numpy().tobytes() if raw.numel() else b"")
+    return h.hexdigest()
+
+
+async def pull_weights(rt) -> tuple[int, int] | None:
+    """Load the weights of the most advanced fast peer of our stage; (its step, bytes) or None.
+
+    Anchors use it to stay a few steps behind; a node joining a stage mid-run uses it once,
+    so it starts from the swarm's current weights rather than the pretrained ones.
+    """
+    peers = sorted(fast_peers_of_stage(rt).items(), key=lambda kv: -kv[1].inner_step)
+    for peer, _ in peers:
+        try:
+            request = Frame(kind="weights", run_id=rt.run.run_id)
+            frames, _, _ = await rpc.request(
+                rt.p2p,
+                rt.wire,
+                peer,
+                WEIGHTS_HANDLER,
+                request,
+                rt.cfg.hop_timeout * 4,
+                rt.run.run_id,
+                stream=True,
+            )
+            named = {k: v for f in frames for k, v in f.tensors.items()}
+            own = dict(rt.stage.named_parameters())
+            if set(named) != set(own) or any(named[k].shape != own[k].shape for k in own):
+                raise FrameError("weights do not match this stage's parameters")
+            await rt.compute(_load_weights, rt.stage, named)
+            nbytes = sum(t.numel() * t.element_size() for f in frames for t in f.tensors.values())
+            log.info("pulled the weights of step %d from %s (%d bytes)", frames[0].step, peer[:12], nbytes)
+            return frames[0].step, nbytes
+        except (FrameError, asyncio.TimeoutError, OSError, ConnectionError) as e:
+            log.info("weight pull from %s failed: %s", peer[:12], e)
+    return None
+
+
+def _load_weights(stage, named: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for n, p in stage.named_parameters():
+            p.copy_(named[n].to(p.dtype))
+
+
