@@ -287,10 +287,6 @@ def standin(shape: tuple[int, ...]) -> torch.Tensor:
     return _ZERO.expand(*shape)
 
 
-def is_emulated(stage) -> bool:
-    return getattr(stage.config, "emulate_gpu", None) is not None
-
-
 class EmulatedCompute(Compute):
     """The compute thread of an emulated stage: forward, backward and loss are sleeps, no tensors.
 

@@ -298,9 +298,6 @@ class SubspaceLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (x @ self.Z.T.to(x.dtype)) @ self.U.T.to(x.dtype)
 
-    def dense_weight(self) -> torch.Tensor:
-        return self.U @ self.Z
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, k={self.Z.shape[0]}"
 

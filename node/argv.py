@@ -30,11 +30,6 @@ def _default(f: Field):
     return f.default_factory() if f.default is MISSING else f.default
 
 
-def fields_of(group: str) -> list[str]:
-    """The names of the config fields whose flags are in ``group`` (NET, RUN or NODE)."""
-    return [f.name for f in fields(NodeConfig) if f.metadata["group"] == group]
-
-
 def add_config_args(p: argparse.ArgumentParser, group: str) -> None:
     """The flags of one group of NodeConfig fields."""
     g = p.add_argument_group(GROUP_TITLES[group])

@@ -144,11 +144,6 @@ def sign(key: bytes, data: bytes, *, now: float | None = None) -> bytes:
     return header + tag + bytes(data)
 
 
-def looks_signed(data: bytes) -> bool:
-    """True if ``data`` starts with the signed-frame magic (says nothing about validity)."""
-    return bytes(data[: len(MAGIC)]) == MAGIC
-
-
 def verify(
     key: bytes,
     signed: bytes,

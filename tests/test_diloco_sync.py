@@ -51,12 +51,20 @@ def _unpack(obj):
 
 
 # ---------------------------------------------------------------------------------------- worker side
-async def _stall_after_p(self, phase: str) -> None:
-    """Installed in the victim only: announce that phase P finished, then hang inside the round."""
-    if phase == "P":
-        with open(type(self)._test_mark, "w") as f:
-            f.write("in round\n")
-        await asyncio.sleep(120)
+def _stall_after_p(mark: str) -> None:
+    """In the victim only: once its phase P all-reduce is done, announce it, then hang inside the round."""
+    import node.dp.diloco as diloco
+
+    run = diloco._OuterAverager._run_allreduce_inplace_
+
+    async def run_then_stall(self, tensors, group_info, group_id=None, **kwargs):
+        await run(self, tensors, group_info, group_id, **kwargs)
+        if group_id is not None and group_id.endswith(b".P"):
+            with open(mark, "w") as f:
+                f.write("in round\n")
+            await asyncio.sleep(120)
+
+    diloco._OuterAverager._run_allreduce_inplace_ = run_then_stall
 
 
 def _worker(index: int, sockdir: str, conn) -> None:
@@ -97,8 +105,7 @@ def _worker(index: int, sockdir: str, conn) -> None:
             if cmd == "open":
                 stage, init, kwargs, stall = args
                 if stall:
-                    diloco._OuterAverager._phase_done = _stall_after_p
-                    diloco._OuterAverager._test_mark = stall
+                    _stall_after_p(stall)
                 params[stage] = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
                 syncs[stage] = diloco.OuterSync(dht, RUN, stage, params[stage], **kwargs)
                 out = syncs[stage].lineage

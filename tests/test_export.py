@@ -9,6 +9,7 @@ both exports tensor by tensor and the exported model's logits with the pipeline'
 import asyncio
 import copy
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -233,16 +234,21 @@ def test_missing_stage_on_disk(tiny_ckpts, only, missing):
     assert not (tmp / "out").exists()
 
 
-def test_interrupted_export_leaves_no_directory(tiny_ckpts):
+def test_interrupted_export_leaves_no_directory(tiny_ckpts, monkeypatch):
     stages, h, tmp = tiny_ckpts
     _save(stages, tmp / "ck", h)
+    rename = os.rename
 
-    def interrupt(point, path):
-        assert point == "written" and (path / "model.safetensors").exists()
-        raise KeyboardInterrupt
+    def interrupt(src, dst):  # Ctrl-C with everything written, just before the rename into place
+        if Path(src).name.startswith(".out.tmp-"):
+            assert (Path(src) / "model.safetensors").exists()
+            raise KeyboardInterrupt
+        rename(src, dst)
 
+    monkeypatch.setattr(os, "rename", interrupt)
     with pytest.raises(KeyboardInterrupt):
-        export_from_checkpoints(tmp / "out", [str(tmp / "ck")], model="tiny:4", hook=interrupt)
+        export_from_checkpoints(tmp / "out", [str(tmp / "ck")], model="tiny:4")
+    monkeypatch.undo()
     assert sorted(p.name for p in tmp.iterdir()) == ["ck"]  # neither out nor its temporary sibling
 
     # a SIGKILLed export leaves only its hidden temporary directory; the next export removes it

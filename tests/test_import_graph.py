@@ -105,6 +105,69 @@ def test_layers_point_one_way():
             assert {d for d in deps if d.split(".")[0] == "bench"} <= {"bench.emulated"}, (mod, deps)
 
 
+# The rooms of node/ and which rooms each may import (docs/ARCHITECTURE.md draws the same picture).
+# Bottom up: net (libp2p streams, hivemind's process loops) knows no other room; model (weights,
+# data, evaluation) neither; swarm (membership, routing, weights over the swarm, export) stands on
+# both; stage (the walk of one microbatch) on those three; dp (what replicas do with a step's
+# gradients) runs on a stage's context and gate. The composition (join, runtime, lifecycle) and the
+# entry points (cli, argv) sit on top; local (the one-machine launcher) uses argv to build its nodes'
+# command lines. config and stop_signal are leaves every room may use.
+LEAVES = {"node.config", "node.stop_signal", "node"}
+MAY_USE = {
+    "net": set(),
+    "model": set(),
+    "swarm": {"net", "model"},
+    "stage": {"net", "model", "swarm"},
+    "dp": {"net", "model", "swarm", "stage"},
+    "local": {"net", "model", "swarm", "stage", "argv"},
+}
+
+
+def room(module: str) -> str | None:
+    """node.<room>.x -> <room>; node.x (top level) -> x; anything outside node/ -> None."""
+    parts = module.split(".")
+    if parts[0] != "node" or len(parts) == 1:
+        return None
+    return parts[1]
+
+
+def reverse_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from one room of node/ into a room it may not use."""
+    bad = []
+    for mod, deps in graph.items():
+        src = room(mod)
+        if src not in MAY_USE:
+            continue  # the top level (entry points, composition) may use every room
+        for d in sorted(deps):
+            dst = room(d)
+            if d in LEAVES or dst is None or dst == src:
+                continue
+            if dst not in MAY_USE[src]:
+                bad.append(f"{mod} -> {d}")
+    return bad
+
+
+def test_rooms_are_the_packages_on_disk():
+    rooms = {p.name for p in (ROOT / "node").iterdir() if (p / "__init__.py").exists()}
+    assert rooms == set(MAY_USE), rooms
+
+
+def test_a_planted_reverse_import_is_found():
+    graph = import_graph()
+    assert reverse_imports(graph) == []
+    planted = {**graph, "node.model.loading": graph["node.model.loading"] | {"node.stage.context"}}
+    assert reverse_imports(planted) == ["node.model.loading -> node.stage.context"]
+    planted = {**graph, "node.stage.step": graph["node.stage.step"] | {"node.dp.tied"}}
+    assert reverse_imports(planted) == ["node.stage.step -> node.dp.tied"]
+    planted = {**graph, "node.net.rpc": graph["node.net.rpc"] | {"node.lifecycle"}}
+    assert reverse_imports(planted) == ["node.net.rpc -> node.lifecycle"]
+
+
+def test_rooms_point_one_way():
+    found = reverse_imports(import_graph())
+    assert not found, "imports against the rooms' direction: " + "; ".join(found)
+
+
 def test_compression_imports_no_model_library():
     """compression/ is tensor math: the model surgery that needs transformers lives in node/."""
     for path in sorted((ROOT / "compression").rglob("*.py")):

@@ -261,9 +261,6 @@ class _OuterAverager(DecentralizedAverager):
         return self._state_fn()
 
     # ------------------------------------------------------------------ helper side
-    async def _phase_done(self, phase: str) -> None:
-        """Hook after each all-reduce phase ('P', 'Q'); a no-op (tests use it to kill a peer mid-round)."""
-
     def _phase_ids(self, group_id: bytes) -> list[bytes]:
         return ([group_id + b".P"] if self.comp_names else []) + [group_id + b".Q"]
 
@@ -375,7 +372,6 @@ class _OuterAverager(DecentralizedAverager):
                 await self._run_allreduce_inplace_(
                     p_list, group_info, gid + b".P", peer_fractions=fractions, counter=counter, **kwargs
                 )
-                await self._phase_done("P")
                 qs = await loop.run_in_executor(None, comp.phase2_all, dict(zip(self.comp_names, p_list)))
             q_list = [qs[n].contiguous() for n in self.comp_names]
             dense_list = [dense[n].to(torch.float32).contiguous() for n in self.dense_names]
@@ -383,7 +379,6 @@ class _OuterAverager(DecentralizedAverager):
             await self._run_allreduce_inplace_(
                 phase_q, group_info, gid + b".Q", peer_fractions=fractions, counter=counter, **kwargs
             )
-            await self._phase_done("Q")
             nq, nd = len(q_list), len(dense_list)
             out = await loop.run_in_executor(
                 None,

@@ -27,10 +27,10 @@ tensors and scalars with int or str keys: ``flatten_state`` turns one into a fla
 ``{name: tensor}`` map plus a JSON skeleton, ``unflatten_state`` rebuilds it exactly (floats
 are stored as hex, tuples stay tuples, int keys stay ints).
 
-Fault injection for tests: ``save_checkpoint(..., hook=fn)`` calls ``fn(point, path)`` at the
-points ``"written"`` (all files fsynced in the temporary directory, before the rename) and
-``"renamed"`` (after the rename, before ``latest`` is updated). The environment variable
-``VNODE_CKPT_FAULT=<point>:<action>`` does the same for a whole node process, with action
+Fault injection for crash tests of whole node processes (``bench/chaos.py``; a fixture cannot
+reach into another process): the environment variable ``VNODE_CKPT_FAULT=<point>:<action>``
+acts at the points ``"written"`` (all files fsynced in the temporary directory, before the
+rename) and ``"renamed"`` (after the rename, before ``latest`` is updated), with action
 ``exit`` (``os._exit(17)``), ``kill`` (SIGKILL to itself) or ``pause`` (print
 ``VNODE_CKPT_PAUSED <point> <path>`` on stderr and sleep, so a harness can SIGKILL it).
 
@@ -50,7 +50,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -239,15 +239,6 @@ def _canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(_canonical(obj))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
@@ -260,9 +251,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _fault(point: str, path: Path, hook: Callable[[str, Path], None] | None) -> None:
-    if hook is not None:
-        hook(point, path)
+def _fault(point: str, path: Path) -> None:
     spec = os.environ.get(FAULT_ENV, "")
     if not spec:
         return
@@ -347,7 +336,6 @@ def save_checkpoint(
     counters: Mapping[str, Any],
     step: int | None = None,
     keep: int = 2,
-    hook: Callable[[str, Path], None] | None = None,
 ) -> Path:
     """Write one complete checkpoint atomically and return its directory.
 
@@ -412,7 +400,7 @@ def save_checkpoint(
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
-        _fault("written", tmp, hook)
+        _fault("written", tmp)
 
         final = root / base
         n = 0
@@ -424,7 +412,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _fsync_dir(root)
-    _fault("renamed", final, hook)
+    _fault("renamed", final)
 
     tmp_ptr = root / f".{LATEST}.tmp-{os.getpid()}"
     with open(tmp_ptr, "w") as f:

@@ -35,7 +35,6 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -161,12 +160,10 @@ def write_export(
     tokenizer,
     info: dict,
     replace: bool = False,
-    hook: Callable[[str, Path], None] | None = None,
 ) -> Path:
     """Write the HF checkpoint into a hidden temporary sibling of ``out``, then rename it into place.
 
-    ``hook(point, tmp)`` is called at ``"written"`` (everything in the temporary directory, before
-    the rename): tests interrupt there. Any exception removes the temporary directory.
+    Any exception (an interrupt included) removes the temporary directory.
     """
     out = Path(out).absolute()
     if out.exists() and not replace:
@@ -181,8 +178,6 @@ def write_export(
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / EXPORT_JSON).write_text(json.dumps(info, indent=1))
-        if hook is not None:
-            hook("written", tmp)
         if out.exists():  # --force: move the old one aside first; a directory rename cannot replace
             os.rename(out, old)
         os.rename(tmp, out)
@@ -464,16 +459,15 @@ def export_from_checkpoints(
     model: str = BUNDLED,
     seed: int = 0,
     replace: bool = False,
-    hook: Callable[[str, Path], None] | None = None,
 ) -> Assembled:
     """Assemble ``out`` offline from the newest checkpoint of every stage found in ``dirs``."""
     parts, run = parts_from_checkpoints(dirs, run_id)
     ranges = [[p.start, p.end] for p in parts]
     base, tok = load_base(model, seed, ranges, run["model_hash"], f"the checkpoints of run {run['run_id']}")
-    return _finish(out, parts, base, tok, run, "checkpoints", replace, hook)
+    return _finish(out, parts, base, tok, run, "checkpoints", replace)
 
 
-def _finish(out, parts, base, tok, run: dict, source: str, replace: bool, hook=None) -> Assembled:
+def _finish(out, parts, base, tok, run: dict, source: str, replace: bool) -> Assembled:
     tie_config = bool(getattr(base.config, "tie_word_embeddings", False))
     model, tied = build_model(parts, base)
     info = {
@@ -488,5 +482,5 @@ def _finish(out, parts, base, tok, run: dict, source: str, replace: bool, hook=N
         ],
         "exported_at": time.time(),
     }
-    write_export(out, model, tok, info, replace=replace, hook=hook)
+    write_export(out, model, tok, info, replace=replace)
     return Assembled(model, tok, tied, info)
