@@ -4,6 +4,9 @@ builds the CLI and the command lines of other nodes from them; nothing else read
 The run's fields take their defaults from the run record's (``run_opt``: ``protocol.records.RunRecord``
 and its typed parts in ``protocol.settings``), so each default is written once; ``run_parts``
 turns them into the record's parts.
+
+(Over 400 lines on purpose: one field per setting, each with its flag's help and range; split,
+the one typed place for configuration would become several.)
 """
 
 from __future__ import annotations
