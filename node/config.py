@@ -268,6 +268,26 @@ class NodeConfig:
         help="seconds an outer round may take before it is skipped (default: %(default)s)",
         group=RUN,
     )
+    finetune: str = run_opt(
+        "finetune.mode",
+        help="full: train every weight of a stage; lora: train LoRA adapters (the peft library) over a "
+        "frozen base, so a stage of a large model fits a home GPU and only the adapters travel between "
+        "replicas, into checkpoints and out in export (default: %(default)s)",
+        group=RUN,
+    )
+    lora_rank: int = run_opt("finetune.rank", help="--finetune lora: adapter rank r (default: %(default)s)")
+    lora_alpha: float = run_opt(
+        "finetune.alpha",
+        help="--finetune lora: scale alpha (updates scaled by alpha/r) (default: %(default)s)",
+    )
+    lora_targets: str = run_opt(
+        "finetune.targets",
+        help="--finetune lora: comma-separated names of the linear layers that get adapters (default: "
+        "%(default)s)",
+    )
+    lora_dropout: float = run_opt(
+        "finetune.dropout", help="--finetune lora: dropout on the adapters' input (default: %(default)s)"
+    )
     mode: str = run_opt(
         "mode",
         help="finetune: train --model as loaded; pretrain: build a Llama-style model from scratch from "
@@ -361,6 +381,13 @@ class NodeConfig:
         "auto",
         help="compute device; auto picks CUDA when present (default: %(default)s)",
         choices=("auto", "cuda", "cpu"),
+        group=NODE,
+    )
+    base_dtype: str = opt(
+        "auto",
+        help="--finetune lora: the frozen base's dtype on this node; auto = bf16 on CUDA, fp32 on the "
+        "CPU (where bf16 matmuls are slower); the adapters stay fp32 (default: %(default)s)",
+        choices=("auto", "fp32", "bf16"),
         group=NODE,
     )
     threads: int = opt(0, help="torch CPU threads, 0 = torch default", group=NODE)

@@ -9,7 +9,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 from protocol.frames import PROTOCOL_VERSION
-from protocol.settings import PARTS, AnchorSettings, DpSettings, OuterSettings, RecordError, parse_part
+from protocol.settings import (
+    PARTS,
+    AnchorSettings,
+    DpSettings,
+    FinetuneSettings,
+    OuterSettings,
+    RecordError,
+    parse_part,
+)
 
 HEARTBEAT_S = 2.0  # the default --heartbeat; every DHT lifetime below is a count of beats
 STAGE_RECORD_BEATS = 5  # expires after ~5 missed beats: a beat can queue behind MBs of frames
@@ -66,6 +74,8 @@ class RunRecord:
     mode: str = "finetune"
     dp: DpSettings = field(default_factory=DpSettings)
     anchor: AnchorSettings = field(default_factory=AnchorSettings)
+    # full fine-tuning, or LoRA adapters over a frozen base (a record without it: full)
+    finetune: FinetuneSettings = field(default_factory=FinetuneSettings)
     seed: int = 0
     lr: float = 1e-4
     weight_decay: float = 0.0

@@ -74,8 +74,32 @@ class AnchorSettings:
     rank: int = _f(16, min=0)
 
 
+LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # every Llama projection
+
+
+@dataclass(frozen=True)
+class FinetuneSettings:
+    """What a stage trains: every weight (``full``), or LoRA adapters over a frozen base (``lora``).
+
+    With ``lora`` every replica and any stage split starts from the same adapters (their init is
+    seeded from the run seed and the module's whole-model name), and only the adapters move: the
+    optimizer, outer rounds, checkpoints, a joiner's weight pull and export.
+    """
+
+    mode: str = _f("full", choices=("full", "lora"))
+    rank: int = _f(16, min=1, max=1024)
+    alpha: float = _f(32.0, above=0)
+    targets: str = _f(LORA_TARGETS)  # comma-separated module names (the last part of their path)
+    dropout: float = _f(0.0, min=0, max=0.9)
+
+
 # the record field name of each part
-PARTS: dict[str, type] = {"outer": OuterSettings, "dp": DpSettings, "anchor": AnchorSettings}
+PARTS: dict[str, type] = {
+    "outer": OuterSettings,
+    "dp": DpSettings,
+    "anchor": AnchorSettings,
+    "finetune": FinetuneSettings,
+}
 
 _TYPES = {int: (int,), float: (int, float), bool: (bool,), str: (str,)}
 

@@ -1,0 +1,166 @@
+"""LoRA adapters over a frozen base, per stage (``--finetune lora``), with the peft library.
+
+Each stage injects its own adapters (``peft.inject_adapter_in_model``) into the linear layers the
+run names (``FinetuneSettings.targets``) and freezes everything else, so the optimizer, the outer
+rounds, checkpoints and a joiner's weight pull see the adapters only (they are the stage's
+``requires_grad`` parameters).
+
+Same adapters everywhere: peft draws ``lora_A`` from the global RNG, which differs between
+processes and stage splits. Here every ``lora_A`` is drawn again from a generator seeded by the
+run seed and the module's *whole-model* name (``model.layers.12.self_attn.q_proj``), and
+``lora_B`` starts at zero (peft's default: the adapted model starts as the base). Two replicas, or
+the same layer in a 2-stage and a 4-stage split, start bit-identical.
+
+The names this module speaks (``adapter_tensors``) are the whole model's, in peft's saved form
+(``model.layers.3.mlp.up_proj.lora_A.weight``), so export can merge them onto the base and write
+a peft adapter directory without knowing how the run was split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+
+import torch
+from torch import nn
+
+from protocol.settings import FinetuneSettings
+
+ADAPTER = "default"  # peft's name for the one adapter a stage holds
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+_LORA_RE = re.compile(r"^(.+)\.lora_([AB])\.default\.weight$")
+
+
+class AdapterError(ValueError):
+    """A run's adapter settings that cannot apply to this model; the message is one line."""
+
+
+def targets_of(ft: FinetuneSettings) -> list[str]:
+    return [t.strip() for t in ft.targets.split(",") if t.strip()]
+
+
+def scaling(ft: FinetuneSettings) -> float:
+    """peft's update scale alpha / r (plain LoRA, not rsLoRA)."""
+    return ft.alpha / ft.rank
+
+
+def whole_model_name(local: str, start: int) -> str:
+    """A stage-local module name -> the whole model's (layer j of a stage that starts at ``start``)."""
+    m = _LAYER_RE.match(local)
+    if m:
+        return f"model.layers.{start + int(m.group(1))}.{m.group(2)}"
+    return local if local.startswith("lm_head") else f"model.{local}"
+
+
+def _seed_of(run_seed: int, name: str) -> int:
+    digest = hashlib.blake2b(f"lora|{run_seed}|{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & ((1 << 63) - 1)
+
+
+def lora_config(ft: FinetuneSettings):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=ft.rank, lora_alpha=ft.alpha, lora_dropout=ft.dropout, target_modules=targets_of(ft), bias="none"
+    )
+
+
+def add_adapters(stage: nn.Module, ft: FinetuneSettings, run_seed: int) -> int:
+    """Inject seeded LoRA adapters into ``stage`` and freeze the rest; returns the adapter count.
+
+    ``stage`` is a ``node.model.stages.Stage`` (its ``start`` places its layers in the whole
+    model). Raises AdapterError when no target module exists in the stage's layers.
+    """
+    from peft import inject_adapter_in_model
+    from peft.tuners.lora import LoraLayer
+
+    targets = targets_of(ft)
+    present = {n.rsplit(".", 1)[-1] for n, m in stage.named_modules() if isinstance(m, nn.Linear)}
+    if stage.layers and not set(targets) & present:
+        raise AdapterError(
+            f"--lora-targets {ft.targets!r} names no linear layer of this model (it has: "
+            f"{', '.join(sorted(present))})"
+        )
+    try:
+        inject_adapter_in_model(lora_config(ft), stage)
+    except ValueError as e:  # a stage with no target (e.g. a head holding only the embedding)
+        if "not found in the base model" not in str(e):
+            raise
+        return 0
+    n = 0
+    with torch.no_grad():
+        for name, module in stage.named_modules():
+            if not isinstance(module, LoraLayer) or ADAPTER not in module.lora_A:
+                continue
+            a, b = module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight
+            gen = torch.Generator().manual_seed(_seed_of(run_seed, whole_model_name(name, stage.start)))
+            # peft's own init of A (kaiming-uniform, a = sqrt(5)), from our generator
+            bound = 1.0 / math.sqrt(a.shape[1])
+            a.copy_(torch.empty(a.shape, dtype=torch.float32).uniform_(-bound, bound, generator=gen))
+            b.zero_()
+            n += 1
+    for pname, p in stage.named_parameters():
+        p.requires_grad_(".lora_" in pname)
+    return n
+
+
+def cast_base(stage: nn.Module, dtype: torch.dtype) -> None:
+    """The frozen base's parameters to ``dtype``; the adapters stay fp32 (their optimizer needs it)."""
+    for _, p in stage.named_parameters():
+        if not p.requires_grad and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
+def base_dtype(choice: str, device: torch.device) -> torch.dtype:
+    """``--base-dtype``: auto = bf16 on CUDA (autocast computes in bf16 anyway), fp32 on the CPU."""
+    if choice == "bf16" or (choice == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def adapter_tensors(stage: nn.Module) -> dict[str, torch.Tensor]:
+    """The stage's adapters under whole-model names in peft's saved form (``...q_proj.lora_A.weight``)."""
+    out = {}
+    for name, p in stage.named_parameters():
+        m = _LORA_RE.match(name)
+        if m:
+            out[f"{whole_model_name(m.group(1), stage.start)}.lora_{m.group(2)}.weight"] = p
+    return out
+
+
+def merge_into(
+    state: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], ft: FinetuneSettings
+) -> int:
+    """Add every adapter's update (alpha/r) B A to its base weight in ``state`` (whole-model names).
+
+    Returns how many weights changed. Raises AdapterError for an adapter whose module the model
+    lacks or whose pair is incomplete.
+    """
+    s, n = scaling(ft), 0
+    modules = {k[: -len(".lora_A.weight")] for k in adapters if k.endswith(".lora_A.weight")}
+    for mod in sorted(modules):
+        b = adapters.get(f"{mod}.lora_B.weight")
+        w = f"{mod}.weight"
+        if b is None or w not in state:
+            raise AdapterError(f"adapter {mod} has no {'lora_B' if b is None else 'base weight'}")
+        a = adapters[f"{mod}.lora_A.weight"]
+        state[w] = (state[w].float() + s * (b.float() @ a.float())).to(state[w].dtype)
+        n += 1
+    return n
+
+
+def save_peft_adapter(out, adapters: dict[str, torch.Tensor], ft: FinetuneSettings, base_name: str) -> None:
+    """A directory ``peft.PeftModel.from_pretrained(base, out)`` loads (adapter_config.json + safetensors)."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = lora_config(ft)
+    cfg.base_model_name_or_path = base_name
+    cfg.task_type = "CAUSAL_LM"
+    cfg.save_pretrained(str(out))
+    tensors = {f"base_model.model.{k}": v.detach().float().contiguous().cpu() for k, v in adapters.items()}
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})

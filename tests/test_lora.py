@@ -1,0 +1,191 @@
+"""LoRA adapters per stage (node/model/adapters.py) against whole-model peft, the independent reference.
+
+The pipeline's stages each inject their own adapters; peft's ``get_peft_model`` adapts the whole
+model at once. With the same adapter values (nonzero B, so the adapters matter), the split
+pipeline must compute the whole model's logits and the same adapter gradients; the seeded init
+must not depend on the split; the frozen base must not move; merged weights and the peft adapter
+directory must compute what the pipeline computes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from node.model.adapters import (
+    AdapterError,
+    adapter_tensors,
+    add_adapters,
+    merge_into,
+    save_peft_adapter,
+)
+from node.model.loading import load_model
+from node.model.stages import build_stage
+from protocol.settings import FinetuneSettings
+
+FT = FinetuneSettings(mode="lora", rank=4, alpha=8.0)
+RANGES = [[0, 1], [1, 3], [3, 4]]
+
+
+def _base(tie: bool = False):
+    from transformers import LlamaForCausalLM
+
+    from node.model.loading import tiny_config
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_config(tie=tie)).eval()
+
+
+def _reference(base):
+    """Whole-model peft with random nonzero adapters; returns the peft model and its adapters by name."""
+    from peft import get_peft_model
+
+    from node.model.adapters import lora_config
+
+    ref = get_peft_model(copy.deepcopy(base), lora_config(FT))
+    gen = torch.Generator().manual_seed(7)
+    values = {}
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+                # peft's saved form: base_model.model.<whole-model module>.lora_A.weight
+                values[name.replace("base_model.model.", "", 1).replace(".default", "")] = p.detach().clone()
+    return ref, values
+
+
+def _stages(base, ranges, values=None, seed=0):
+    stages = []
+    for i in range(len(ranges)):
+        s = build_stage(copy.deepcopy(base), ranges, i)
+        add_adapters(s, FT, seed)
+        if values is not None:
+            with torch.no_grad():
+                for name, p in adapter_tensors(s).items():
+                    p.copy_(values[name])
+        stages.append(s)
+    return stages
+
+
+def _frozen_bytes(stage) -> str:
+    """sha256 over the names and bytes of a stage's frozen (non-adapter) parameters."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for n, p in sorted(stage.named_parameters()):
+        if not p.requires_grad:
+            h.update(n.encode() + p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _pipeline_loss(stages, ids):
+    h = ids
+    for s in stages:
+        h = s(h)
+    return h, torch.nn.functional.cross_entropy(h[:, :-1].reshape(-1, h.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def test_split_lora_pipeline_matches_whole_model_peft():
+    base = _base()
+    ref, values = _reference(base)
+    stages = _stages(base, RANGES, values)
+    assert sum(len(adapter_tensors(s)) for s in stages) == len(values) == 4 * 7 * 2
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(1))
+    logits, loss = _pipeline_loss(stages, ids)
+    want = ref(input_ids=ids).logits
+    assert (logits - want).abs().max() <= 1e-5
+    ref_loss = torch.nn.functional.cross_entropy(
+        want[:, :-1].reshape(-1, want.shape[-1]), ids[:, 1:].reshape(-1)
+    )
+    loss.backward()
+    ref_loss.backward()
+    ref_grads = {
+        n.replace("base_model.model.", "", 1).replace(".default", ""): p.grad
+        for n, p in ref.named_parameters()
+        if "lora_" in n
+    }
+    ours = {n: p.grad for s in stages for n, p in adapter_tensors(s).items()}
+    assert set(ours) == set(ref_grads)
+    worst = max(float((ours[n] - ref_grads[n]).abs().max()) for n in ours)
+    assert worst <= 1e-4, worst
+    assert all(float(g.abs().max()) > 0 for g in ours.values())  # every adapter takes part
+    # only the adapters train: every other parameter is frozen and gets no gradient
+    for s in stages:
+        for n, p in s.named_parameters():
+            assert p.requires_grad == (".lora_" in n), n
+            assert p.requires_grad or p.grad is None, n
+
+
+def test_seeded_init_is_the_same_in_any_split_and_starts_as_the_base():
+    base = _base()
+    two = {n: p for s in _stages(base, [[0, 2], [2, 4]], seed=5) for n, p in adapter_tensors(s).items()}
+    three = {n: p for s in _stages(base, RANGES, seed=5) for n, p in adapter_tensors(s).items()}
+    other = {n: p for s in _stages(base, RANGES, seed=6) for n, p in adapter_tensors(s).items()}
+    assert set(two) == set(three)
+    assert all(torch.equal(two[n], three[n]) for n in two)
+    a = "model.layers.2.self_attn.q_proj.lora_A.weight"
+    assert not torch.equal(three[a], other[a])  # the run seed matters
+    assert not torch.equal(three[a], three["model.layers.3.self_attn.q_proj.lora_A.weight"])  # and the name
+    assert all(float(three[n].detach().abs().max()) == 0 for n in three if n.endswith("lora_B.weight"))
+    ids = torch.randint(0, 512, (1, 9))
+    logits, _ = _pipeline_loss(_stages(base, RANGES, seed=5), ids)
+    assert (logits - base(input_ids=ids).logits).abs().max() <= 1e-5  # B = 0: the base model
+
+
+def test_training_moves_only_the_adapters_and_merged_weights_compute_the_pipeline(tmp_path):
+    base = _base()
+    stages = _stages(base, RANGES, seed=3)
+    frozen = [_frozen_bytes(s) for s in stages]
+    params = [p for s in stages for p in s.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(2))
+    for _ in range(3):
+        _, loss = _pipeline_loss(stages, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    adapters = {n: p.detach() for s in stages for n, p in adapter_tensors(s).items()}
+    assert any(float(v.abs().max()) > 0 for n, v in adapters.items() if n.endswith("lora_B.weight"))
+    # the base under the adapters is bit-identical to what it was (content hash over the frozen tensors)
+    assert [_frozen_bytes(s) for s in stages] == frozen
+    with torch.no_grad():
+        logits, _ = _pipeline_loss(stages, ids)
+        state = {k: v.clone() for k, v in base.state_dict().items()}
+        assert merge_into(state, adapters, FT) == 4 * 7
+        merged = copy.deepcopy(base)
+        merged.load_state_dict(state)
+        assert (merged(input_ids=ids).logits - logits).abs().max() <= 1e-5
+    # the peft directory loads onto the base with peft itself and computes the same logits
+    from peft import PeftModel
+
+    save_peft_adapter(tmp_path / "adapter", adapters, FT, "tiny")
+    loaded = PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        assert (loaded(input_ids=ids).logits - logits).abs().max() <= 1e-5
+
+
+def test_a_target_the_model_lacks_is_refused_in_one_line():
+    base = _base()
+    stage = build_stage(copy.deepcopy(base), RANGES, 1)
+    with pytest.raises(AdapterError, match="names no linear layer"):
+        add_adapters(stage, FinetuneSettings(mode="lora", targets="qkv_proj"), 0)
+
+
+def test_the_bundled_shape_of_a_tied_model_keeps_its_embedding_frozen():
+    base = _base(tie=True)
+    head, tail = _stages(base, [[0, 2], [2, 4]])
+    assert not head.embed_tokens.weight.requires_grad and not tail.lm_head.weight.requires_grad
+    assert torch.equal(head.embed_tokens.weight, tail.lm_head.weight)
+
+
+@pytest.mark.slow
+def test_bundled_model_split_lora_matches_whole_model_peft():
+    model = load_model("bundled")[0]
+    ref, values = _reference(model)
+    stages = _stages(model, [[0, 10], [10, 20], [20, 30]], values)
+    ids = torch.randint(0, 49152, (1, 16))
+    with torch.no_grad():
+        logits, _ = _pipeline_loss(stages, ids)
+        assert (logits - ref(input_ids=ids).logits).abs().max() <= 1e-4
