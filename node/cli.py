@@ -46,6 +46,17 @@ def check_run_flags(a: argparse.Namespace) -> None:
             parse_tiers(a.lowrank_tiers)
         except ValueError as e:
             raise FlagError(str(e)) from None
+    if a.finetune == "lora":
+        # what moves under LoRA is the adapters; these paths move or filter whole weights
+        if a.dp == "scape":
+            raise FlagError("--finetune lora trains adapters only; --dp scape is built for whole weights: "
+                            "use the default --dp diloco")  # fmt: skip
+        if getattr(a, "circuit", "fast") == "anchor" or getattr(a, "anchors", 0):
+            raise FlagError("--finetune lora does not combine with anchors (their filter acts on whole "
+                            "weight gradients); leave out --circuit anchor / --anchors")  # fmt: skip
+        if a.mode == "pretrain":
+            raise FlagError("--finetune lora adapts a pretrained model; --mode pretrain trains one from "
+                            "scratch: use --finetune full")  # fmt: skip
     if a.codec_k < 0:
         raise FlagError(f"--codec-k must be >= 0 (0: the codec's own k), got {a.codec_k}")
     if a.microbatch_tokens and not a.seq_len <= a.microbatch_tokens <= 2**20:

@@ -22,6 +22,7 @@ import torch
 
 from node.config import NodeConfig, run_parts
 from node.dp.diloco import OuterSync
+from node.model.adapters import add_adapters, base_dtype, cast_base
 from node.model.checkpoint import newest_for_run
 from node.model.data import ByteTokenizer, as_plain_text, load_examples, microbatches
 from node.model.devices import GIB, describe_memory, pick_device, stage_memory_bytes
@@ -73,8 +74,9 @@ def new_run_record(cfg: NodeConfig, model, name: str, model_hash: str) -> RunRec
         stages=default_stage_ranges(model, cfg.stages),
         codec=codec_settings(cfg, model),
         **run_parts(cfg),  # the typed parts and the scalars, field by field (node.config)
-        # a tied model stays tied across stages: head and tail sum their gradients (node.dp.tied)
-        tied=bool(getattr(model.config, "tie_word_embeddings", False)),
+        # a tied model stays tied across stages: head and tail sum their gradients (node.dp.tied);
+        # under LoRA the tied tensor is frozen, so the copies stay equal with nothing to exchange
+        tied=bool(getattr(model.config, "tie_word_embeddings", False)) and cfg.finetune == "full",
     )
 
 
@@ -317,6 +319,11 @@ def run_join(cfg: NodeConfig) -> int:
                     json.dump({"peer_id": peer_id, "maddrs": maddrs, "stage": index}, f)
                 os.replace(cfg.ready_file + ".tmp", cfg.ready_file)
             stage = source.load_stage(run.stages, index, device)
+            if run.finetune.mode == "lora":
+                n = add_adapters(stage, run.finetune, run.seed)
+                cast_base(stage, base_dtype(cfg.base_dtype, device))
+                trained = sum(p.numel() for p in stage.parameters() if p.requires_grad)
+                log.info("stage %d: %d LoRA adapters (%d trainable parameters)", index, n, trained)
             stop.check()
             data = None
             if index == 0:

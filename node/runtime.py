@@ -75,7 +75,8 @@ class StageRuntime(Lifecycle):
 
             self.compute = EmulatedCompute(stage, device)
         else:
-            self.compute = Compute(device)
+            bf16_base = any(p.dtype == torch.bfloat16 for p in stage.parameters())
+            self.compute = Compute(device, cpu_bf16=bf16_base)
         self.metrics = Metrics()
         ctx = self.ctx = StageContext(
             cfg=cfg,

@@ -119,14 +119,24 @@ def base_dtype(choice: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def adapter_tensors(stage: nn.Module) -> dict[str, torch.Tensor]:
-    """The stage's adapters under whole-model names in peft's saved form (``...q_proj.lora_A.weight``)."""
+def is_adapter(local_name: str) -> bool:
+    return _LORA_RE.match(local_name) is not None
+
+
+def by_whole_name(named: dict[str, torch.Tensor], start: int) -> dict[str, torch.Tensor]:
+    """A stage's adapter tensors (stage-local peft names) under whole-model names in peft's saved
+    form (``model.layers.3.self_attn.q_proj.lora_A.weight``); other tensors are left out."""
     out = {}
-    for name, p in stage.named_parameters():
+    for name, t in named.items():
         m = _LORA_RE.match(name)
         if m:
-            out[f"{whole_model_name(m.group(1), stage.start)}.lora_{m.group(2)}.weight"] = p
+            out[f"{whole_model_name(m.group(1), start)}.lora_{m.group(2)}.weight"] = t
     return out
+
+
+def adapter_tensors(stage: nn.Module) -> dict[str, torch.Tensor]:
+    """The stage's adapters (live parameters) under whole-model names (``by_whole_name``)."""
+    return by_whole_name(dict(stage.named_parameters()), stage.start)
 
 
 def merge_into(
@@ -164,3 +174,31 @@ def save_peft_adapter(out, adapters: dict[str, torch.Tensor], ft: FinetuneSettin
     cfg.save_pretrained(str(out))
     tensors = {f"base_model.model.{k}": v.detach().float().contiguous().cpu() for k, v in adapters.items()}
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def trained_state(stage: nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint or a weight pull must carry: the whole state when every weight trains,
+    only the trainable tensors (the adapters) over a frozen base, which any node reloads from the
+    model itself."""
+    named = dict(stage.named_parameters())
+    if all(p.requires_grad for p in named.values()):
+        return stage.state_dict()
+    return {n: p for n, p in named.items() if p.requires_grad}
+
+
+def load_trained_state(stage: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load what ``trained_state`` gave; over a frozen base, exactly the trainable tensors must come."""
+    named = dict(stage.named_parameters())
+    if all(p.requires_grad for p in named.values()):
+        stage.load_state_dict(state)
+        return
+    want = {n for n, p in named.items() if p.requires_grad}
+    if set(state) != want:
+        missing, extra = sorted(want - set(state)), sorted(set(state) - want)
+        raise AdapterError(
+            f"the saved adapters do not fit this stage (missing {missing[:2]}, unexpected {extra[:2]}); "
+            "was it saved with other --lora-* settings?"
+        )
+    with torch.no_grad():
+        for n in want:
+            named[n].copy_(state[n])

@@ -30,8 +30,9 @@ T = TypeVar("T")
 class Compute:
     """The worker thread of one stage, with the device and autocast it computes under."""
 
-    def __init__(self, device: torch.device | None = None) -> None:
+    def __init__(self, device: torch.device | None = None, cpu_bf16: bool = False) -> None:
         self.device = device or torch.device("cpu")
+        self.cpu_bf16 = cpu_bf16  # a bf16 frozen base on the CPU (--base-dtype bf16) computes under autocast
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.seconds = 0.0  # time spent waiting for the thread, queueing included
 
@@ -43,9 +44,12 @@ class Compute:
         return out
 
     def amp(self) -> contextlib.AbstractContextManager:
-        """bf16 autocast on CUDA (weights and optimizer stay fp32); plain fp32 on CPU."""
+        """bf16 autocast on CUDA (trained weights and optimizer stay fp32); fp32 on the CPU, unless its
+        frozen base is bf16 (fp32 activations cannot meet bf16 weights in a matmul without it)."""
         if self.device.type == "cuda":
             return torch.autocast("cuda", dtype=torch.bfloat16)
+        if self.cpu_bf16:
+            return torch.autocast("cpu", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict
 from typing import Protocol
 
 import torch
 
+from node.model.adapters import AdapterError, load_trained_state, trained_state
 from node.model.checkpoint import CheckpointError, checkpoint_dir, clone_state, save_checkpoint
 from node.stage.context import StageContext
 
@@ -46,7 +48,7 @@ class StageState:
         ctx = self.ctx
         return clone_state(
             {
-                "stage_state": ctx.stage.state_dict(),
+                "stage_state": trained_state(ctx.stage),  # the adapters only, over a frozen base
                 "optimizer_state": self.opt.state_dict(),
                 "extra_states": {name: part.state_dict() for name, part in self.parts.items()},
                 "counters": {
@@ -55,6 +57,8 @@ class StageState:
                     "run_id": ctx.run.run_id,
                     "stage": ctx.index,
                     "model_hash": ctx.run.model_hash,
+                    "layers": list(ctx.run.stages[ctx.index]),
+                    "finetune": asdict(ctx.run.finetune),
                 },
             }
         )
@@ -87,7 +91,10 @@ class StageState:
             or c.get("model_hash") != ctx.run.model_hash
         ):
             raise CheckpointError(f"checkpoint {ck.path} is of another run, stage or model")
-        ctx.stage.load_state_dict(ck.stage_state)
+        try:
+            load_trained_state(ctx.stage, ck.stage_state)
+        except AdapterError as e:
+            raise CheckpointError(f"checkpoint {ck.path}: {e}") from None
         self.opt.load_state_dict(ck.optimizer_state)
         for name, part in self.parts.items():
             if name in ck.extra_states:

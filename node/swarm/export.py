@@ -35,11 +35,13 @@ import secrets
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from node.model.adapters import AdapterError, by_whole_name, is_adapter, merge_into, save_peft_adapter
 from node.model.checkpoint import CheckpointError, _pid_alive, list_checkpoints, load_checkpoint
 from node.model.loading import BUNDLED, BUNDLED_NAME, open_model
 from node.net.rpc import open_stream
@@ -47,10 +49,12 @@ from node.net.transport import close_quietly
 from node.net.wire import Wire
 from node.swarm.weights import WEIGHTS_HANDLER, weights_digest
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame
+from protocol.settings import FinetuneSettings, RecordError, parse_part
 
 log = logging.getLogger("node")
 
 EXPORT_JSON = "swarm_export.json"
+ADAPTER_DIR = "adapter"  # a LoRA run's peft adapter directory, inside the merged checkpoint
 EMBED, HEAD, NORM = "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"
 _LOCAL = {"embed_tokens.weight": EMBED, "norm.weight": NORM, "lm_head.weight": HEAD}
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -100,16 +104,38 @@ def layer_count(tensors: dict[str, torch.Tensor]) -> int:
     return max(idx) + 1 if idx else 0
 
 
-def assemble_state(parts: list[StagePart], base: torch.nn.Module) -> tuple[dict[str, torch.Tensor], bool]:
+def adapters_of(parts: list[StagePart]) -> dict[str, torch.Tensor]:
+    """Every stage's LoRA adapters under whole-model names (empty for a full fine-tuning run)."""
+    return {k: v for p in parts for k, v in by_whole_name(p.tensors, p.start).items()}
+
+
+def assemble_state(
+    parts: list[StagePart], base: torch.nn.Module, finetune: FinetuneSettings | None = None
+) -> tuple[dict[str, torch.Tensor], bool]:
     """The whole model's state dict from the stages, and whether embeddings stay tied.
 
+    A LoRA run's stages hold their adapters only: the base under them is the run's base (its
+    content hash was checked when it was loaded), and the adapters are merged onto it.
     Raises ExportError naming a missing stage or tensor, or a shape that does not fit.
     """
     want = base.state_dict()
     tie_config = bool(getattr(base.config, "tie_word_embeddings", False))
     out: dict[str, torch.Tensor] = {}
+    adapters = adapters_of(parts)
+    if adapters:
+        layers = base.config.num_hidden_layers
+        spans = sorted((p.start, p.end) for p in parts)
+        if spans[0][0] != 0 or spans[-1][1] != layers or any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
+            raise ExportError(
+                f"the stages' layers {spans} do not cover the model's {layers}; a stage is missing"
+            )
+        if finetune is None or finetune.mode != "lora":
+            raise ExportError("the stages hold LoRA adapters but the run names no LoRA settings")
+        out = {k: v.detach().to(torch.float32).cpu().clone() for k, v in want.items()}
     for part in parts:
         for name, t in part.tensors.items():
+            if is_adapter(name):
+                continue
             g = global_name(name, part.start)
             if g not in want:
                 raise ExportError(f"stage {part.index} holds {name!r}, which the run's model does not have")
@@ -118,6 +144,11 @@ def assemble_state(parts: list[StagePart], base: torch.nn.Module) -> tuple[dict[
                     f"stage {part.index}: {name} has shape {list(t.shape)}, the model {list(want[g].shape)}"
                 )
             out[g] = t.detach().to(torch.float32).cpu()
+    if adapters:
+        try:
+            merge_into(out, adapters, finetune)
+        except AdapterError as e:
+            raise ExportError(f"cannot merge the adapters: {e}") from None
     if tie_config and EMBED in out and HEAD not in out:
         out[HEAD] = out[EMBED]  # a one-stage run trains the single shared tensor
     tied = tie_config and torch.equal(out.get(EMBED, torch.empty(0)), out.get(HEAD, torch.empty(1)))
@@ -130,9 +161,11 @@ def assemble_state(parts: list[StagePart], base: torch.nn.Module) -> tuple[dict[
     return out, tied
 
 
-def build_model(parts: list[StagePart], base: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
+def build_model(
+    parts: list[StagePart], base: torch.nn.Module, finetune: FinetuneSettings | None = None
+) -> tuple[torch.nn.Module, bool]:
     """``base`` with the stages' weights loaded (untied when the head's and tail's copies differ)."""
-    state, tied = assemble_state(parts, base)
+    state, tied = assemble_state(parts, base, finetune)
     if getattr(base.config, "tie_word_embeddings", False) and not tied:
         base.config.tie_word_embeddings = False
         base.lm_head.weight = torch.nn.Parameter(state[HEAD].clone())
@@ -160,6 +193,7 @@ def write_export(
     tokenizer,
     info: dict,
     replace: bool = False,
+    adapter: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write the HF checkpoint into a hidden temporary sibling of ``out``, then rename it into place.
 
@@ -178,6 +212,8 @@ def write_export(
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / EXPORT_JSON).write_text(json.dumps(info, indent=1))
+        if adapter is not None:
+            adapter(tmp / ADAPTER_DIR)
         if out.exists():  # --force: move the old one aside first; a directory rename cannot replace
             os.rename(out, old)
         os.rename(tmp, out)
@@ -274,16 +310,27 @@ def parts_from_checkpoints(dirs: list[str], run_id: str | None = None) -> tuple[
                 f"no checkpoint of stage {i} of run {run_id} in {' '.join(dirs)}; add the state "
                 "directory of a node that served it"
             )
-        ck, _ = stages[i]
-        n = layer_count(ck.stage_state)
+        ck, c = stages[i]
+        n = c["layers"][1] - c["layers"][0] if "layers" in c else layer_count(ck.stage_state)
         parts.append(StagePart(i, start, start + n, ck.step, dict(ck.stage_state), str(ck.path)))
         start += n
-    if "lm_head.weight" not in parts[-1].tensors and "norm.weight" not in parts[-1].tensors:
+    finetune = _finetune_of(stages[0][1])
+    # a LoRA stage holds adapters only: assembly checks the layers cover the model
+    full = finetune.mode == "full"
+    if full and "lm_head.weight" not in parts[-1].tensors and "norm.weight" not in parts[-1].tensors:
         raise ExportError(
             f"no checkpoint of stage {len(parts)} or later (the tail is missing) of run {run_id} in "
             f"{' '.join(dirs)}; add the state directories of the nodes that served them"
         )
-    return parts, {"run_id": run_id, "model_hash": hashes.pop()}
+    return parts, {"run_id": run_id, "model_hash": hashes.pop(), "finetune": finetune}
+
+
+def _finetune_of(counters: dict) -> FinetuneSettings:
+    """The LoRA settings a checkpoint was trained with (full fine-tuning for older checkpoints)."""
+    try:
+        return parse_part("finetune", counters["finetune"]) if "finetune" in counters else FinetuneSettings()
+    except RecordError as e:
+        raise ExportError(f"checkpoint counters: {e}") from None
 
 
 # ---------------------------------------------------------------------- from live peers
@@ -447,9 +494,8 @@ def export_from_peers(
         if dht is not None:
             dht.shutdown()
         remove_socket_dir(sockdir)
-    return _finish(
-        out, parts, base, tok, {"run_id": run.run_id, "model_hash": run.model_hash}, "peers", replace
-    )
+    info = {"run_id": run.run_id, "model_hash": run.model_hash, "finetune": run.finetune}
+    return _finish(out, parts, base, tok, info, "peers", replace)
 
 
 def export_from_checkpoints(
@@ -469,7 +515,9 @@ def export_from_checkpoints(
 
 def _finish(out, parts, base, tok, run: dict, source: str, replace: bool) -> Assembled:
     tie_config = bool(getattr(base.config, "tie_word_embeddings", False))
-    model, tied = build_model(parts, base)
+    finetune = run.get("finetune") or FinetuneSettings()
+    adapters = adapters_of(parts)
+    model, tied = build_model(parts, base, finetune)
     info = {
         "run_id": run["run_id"],
         "base_model_hash": run["model_hash"],
@@ -482,5 +530,13 @@ def _finish(out, parts, base, tok, run: dict, source: str, replace: bool) -> Ass
         ],
         "exported_at": time.time(),
     }
-    write_export(out, model, tok, info, replace=replace)
+    adapter = None
+    if adapters:  # the merged checkpoint, and the adapters alone for peft on the base model
+        info["finetune"] = asdict(finetune)
+        info["adapter"] = ADAPTER_DIR
+
+        def adapter(path: Path) -> None:
+            save_peft_adapter(path, adapters, finetune, str(getattr(base.config, "_name_or_path", "") or ""))
+
+    write_export(out, model, tok, info, replace=replace, adapter=adapter)
     return Assembled(model, tok, tied, info)
