@@ -221,7 +221,11 @@ class Lifecycle:
             await p2p.add_binary_stream_handler(SCAPE_HANDLER, self.scape.handle)
         if self.tied is not None:
             await p2p.add_binary_stream_handler(TIED_HANDLER, self.tied.handle)
-        await p2p.add_binary_stream_handler(ALIVE_HANDLER, handle_alive)
+
+        async def alive(info, reader, writer) -> None:  # with the node's wire (set by join): its bans
+            await handle_alive(info, reader, writer, wire=ctx.wire)
+
+        await p2p.add_binary_stream_handler(ALIVE_HANDLER, alive)
         await p2p.add_binary_stream_handler(HANDLER, self.server.handle_stream)
         raise_accept_backlog(p2p)  # before the first burst of streams, not at the first stream served
         await self.publish()

@@ -26,7 +26,7 @@ import torch
 
 from compression.spectral import is_target_matrix
 from node.net import rpc
-from node.net.transport import close_quietly
+from node.net.serve import NotAllowed, serve
 from node.net.wire import IDLE_S
 from node.swarm.routing import anchor_peers_of_stage, fast_peers_of_stage
 from node.swarm.weights import chunks, pull_weights
@@ -37,8 +37,6 @@ from protocol.frames import (
     FrameError,
     OutOfRange,
     decode_frame,
-    encode_frame,
-    error_frame,
 )
 
 log = logging.getLogger("node")
@@ -50,10 +48,8 @@ FACTORS_PER_FRAME = MAX_TENSORS // 2
 MAX_FACTOR = 1e6
 
 
-class NotAnAnchor(FrameError):
+class NotAnAnchor(NotAllowed):
     """An anchor packet stream from a peer this stage's records do not announce as an anchor."""
-
-    code = "unauthorized"
 
 
 def factorize(grad: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,66 +78,65 @@ class PacketSink:
 
     async def handle(self, stream_info, reader, writer) -> None:
         rt = self.rt
-        sender = str(stream_info.peer_id)
-        try:
-            if rt.wire.bans.is_banned(sender):
-                return
-            # before a byte is read: only the anchors this stage's records announce feed the filter
-            if sender not in anchor_peers_of_stage(rt):  # refused unread: no strike
-                raise NotAnAnchor("the sender is not an announced anchor of this stage")
-            frame = decode_frame(
-                await rt.wire.recv(reader, MAX_FRAME_BYTES, rt.cfg.hop_timeout, idle=IDLE_S),
-                run_id=rt.run.run_id,
-            )
-            if frame.kind != "anchor":
-                raise FrameError("expected an anchor packet")
-            window = self.spectral.max_staleness
-            if not rt.inner_step - window <= frame.step <= rt.inner_step + window:
-                raise OutOfRange(
-                    f"source step {frame.step} outside the staleness window {rt.inner_step} +- {window}"
-                )
-            names = str(frame.meta.get("names", "")).split(",")
-            params = dict(rt.stage.named_parameters())
-            pairs = []
-            for i, name in enumerate(names):
-                a, b = frame.tensors.get(f"{i}.a"), frame.tensors.get(f"{i}.b")
-                p = params.get(name)
-                if (
-                    a is None
-                    or b is None
-                    or p is None
-                    or not is_target_matrix(name, p)
-                    or a.dim() != 2
-                    or b.dim() != 2
-                    or a.shape[0] != p.shape[0]
-                    or b.shape[0] != p.shape[1]
-                    or a.shape[1] != b.shape[1]
-                ):
-                    raise FrameError(f"anchor packet entry {name!r} does not fit this stage")
-                pairs.append((name, a, b))
-            bad = await rt.compute(_bad_factors, pairs)
-            if bad:
-                raise OutOfRange(f"anchor factors of {bad!r} not finite or above {MAX_FACTOR:g} in magnitude")
-            accepted = await rt.compute(self._observe, pairs, frame.step)
-            self.received += accepted
-            self.dropped_stale += len(pairs) - accepted
-            rt.wire.bans.record_good(sender)
-            ack = Frame(kind="anchor", run_id=rt.run.run_id, meta={"last": 1, "accepted": accepted})
-            await rt.wire.send(writer, encode_frame(ack), rt.cfg.hop_timeout)
-        except FrameError as e:
+        await serve(
+            stream_info,
+            reader,
+            writer,
+            rt.wire,
+            self._take,
+            run_id=rt.run.run_id,
+            timeout=rt.cfg.hop_timeout,
+            what="anchor packet",
+            on_error=self._refused,
+        )
+
+    def _anchor(self, peer: str) -> int:
+        """The sender check: only the anchors this stage's records announce feed the filter."""
+        if peer not in anchor_peers_of_stage(self.rt):
+            raise NotAnAnchor("the sender is not an announced anchor of this stage")
+        return MAX_FRAME_BYTES
+
+    def _refused(self, _s, e: Exception) -> None:
+        if isinstance(e, FrameError):  # the anchor logs why (node.net.rpc.request raises the message)
             self.refused += 1
-            rt.metrics.refused_messages += 1
-            if not isinstance(e, NotAnAnchor) and rt.wire.bans.record_bad(sender):
-                log.warning("banning %s for repeated refused anchor packets (last: %s)", sender[:12], e)
-            log.info("anchor packet from %s refused: %s", sender[:12], e)
-            try:  # the anchor logs why (node.net.rpc.request raises the message)
-                await rt.wire.send(writer, encode_frame(error_frame(rt.run.run_id, e)), rt.cfg.hop_timeout)
-            except Exception as e2:  # the sender went away
-                log.debug("anchor refusal not delivered: %s", e2)
-        except Exception as e:
-            log.info("anchor packet from %s refused: %s: %s", sender[:12], type(e).__name__, e)
-        finally:
-            close_quietly(writer)
+            self.rt.metrics.refused_messages += 1
+
+    async def _take(self, s) -> None:
+        rt = self.rt
+        frame = decode_frame(await s.receive(self._anchor, idle=IDLE_S), run_id=rt.run.run_id)
+        if frame.kind != "anchor":
+            raise FrameError("expected an anchor packet")
+        window = self.spectral.max_staleness
+        if not rt.inner_step - window <= frame.step <= rt.inner_step + window:
+            raise OutOfRange(
+                f"source step {frame.step} outside the staleness window {rt.inner_step} +- {window}"
+            )
+        names = str(frame.meta.get("names", "")).split(",")
+        params = dict(rt.stage.named_parameters())
+        pairs = []
+        for i, name in enumerate(names):
+            a, b = frame.tensors.get(f"{i}.a"), frame.tensors.get(f"{i}.b")
+            p = params.get(name)
+            if (
+                a is None
+                or b is None
+                or p is None
+                or not is_target_matrix(name, p)
+                or a.dim() != 2
+                or b.dim() != 2
+                or a.shape[0] != p.shape[0]
+                or b.shape[0] != p.shape[1]
+                or a.shape[1] != b.shape[1]
+            ):
+                raise FrameError(f"anchor packet entry {name!r} does not fit this stage")
+            pairs.append((name, a, b))
+        bad = await rt.compute(_bad_factors, pairs)
+        if bad:
+            raise OutOfRange(f"anchor factors of {bad!r} not finite or above {MAX_FACTOR:g} in magnitude")
+        accepted = await rt.compute(self._observe, pairs, frame.step)
+        self.received += accepted
+        self.dropped_stale += len(pairs) - accepted
+        await s.send(Frame(kind="anchor", run_id=rt.run.run_id, meta={"last": 1, "accepted": accepted}))
 
     def _observe(self, pairs, source_step: int) -> int:
         n = 0

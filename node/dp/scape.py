@@ -76,7 +76,7 @@ from node.dp.scape_wire import (  # noqa: F401  (INITIAL_LINEAGE, winning_lineag
 )
 from node.dp.strategies import mean_and_clip
 from node.net.rpc import PeerUnreachable, send_only
-from node.net.transport import close_quietly
+from node.net.serve import NotAllowed, serve
 from node.net.wire import IDLE_S
 from node.stage.step import StepGate, StepResult
 from node.swarm.routing import fast_peers_of_stage
@@ -93,12 +93,14 @@ AHEAD_STEPS = 8  # frames for steps further ahead (of ours and of the sender's r
 ROUTE_RECHECK_S = 2.0  # an unknown sender triggers a route refresh at most this often
 
 
-class Refused(Exception):
-    """A well-formed scape message this replica does not take (its step or its size)."""
+class Refused(FrameError):
+    """A well-formed scape message this replica does not take (its step or its size): a strike."""
+
+    code = "range"
 
 
-class Unknown(Exception):
-    """A scape stream from a peer that is no replica of this stage (refused unread)."""
+class Unknown(NotAllowed):
+    """A scape stream from a peer that is no replica of this stage (refused unread, no strike)."""
 
 
 def _frame_bytes(frame: Frame) -> int:
@@ -146,40 +148,46 @@ class ScapeSync:
 
     async def handle(self, stream_info, reader, writer) -> None:
         rt = self.rt
-        sender = str(stream_info.peer_id)
-        try:
-            if rt.wire.bans.is_banned(sender):
-                return
-            # before a byte is read: only the stage's own replicas may fill the inbox
-            if not await self._serves_stage(sender):  # costs nothing: no strike
-                raise Unknown("the sender does not serve this stage")
-            frame = decode_frame(
-                await rt.wire.recv(reader, MAX_FRAME_BYTES, rt.cfg.hop_timeout, idle=IDLE_S),
-                run_id=rt.run.run_id,
-            )
-            phase = frame.meta.get("phase")
-            if frame.kind != "scape" or phase not in _PHASES or frame.boundary != rt.index:
-                raise FrameError("expected a scape frame of this stage")
-            if phase == "values":
-                v = frame.tensors.get("v")
-                if v is None or v.dtype != torch.bfloat16 or v.dim() != 1 or v.numel() > self.numel:
-                    raise FrameError("scape values malformed")
-            if phase == "anchor":
-                phase = anchor_key(frame)
-            if self._check_step(sender, frame.step):
-                cond = self._condition()
-                async with cond:
-                    self._store(sender, phase, frame)
-                    cond.notify_all()
-            rt.wire.bans.record_good(sender)
-        except Exception as e:
-            self.refused += 1
-            rt.metrics.refused_messages += 1
-            if isinstance(e, (FrameError, Refused)) and rt.wire.bans.record_bad(sender):
-                log.warning("banning %s for repeated refused scape messages (last: %s)", sender[:12], e)
-            log.info("scape message from %s refused: %s", sender[:12], e)
-        finally:
-            close_quietly(writer)
+        await serve(
+            stream_info,
+            reader,
+            writer,
+            rt.wire,
+            self._take,
+            run_id=rt.run.run_id,
+            timeout=rt.cfg.hop_timeout,
+            what="scape message",
+            answer=False,  # one-way: the sender reads no reply
+            on_error=self._refused,
+        )
+
+    async def _replica(self, peer: str) -> int:
+        """The sender check: only the stage's own replicas may fill the inbox (unread otherwise)."""
+        if not await self._serves_stage(peer):
+            raise Unknown("the sender does not serve this stage")
+        return MAX_FRAME_BYTES
+
+    def _refused(self, _s, _e: Exception) -> None:
+        self.refused += 1
+        self.rt.metrics.refused_messages += 1
+
+    async def _take(self, s) -> None:
+        rt = self.rt
+        frame = decode_frame(await s.receive(self._replica, idle=IDLE_S), run_id=rt.run.run_id)
+        phase = frame.meta.get("phase")
+        if frame.kind != "scape" or phase not in _PHASES or frame.boundary != rt.index:
+            raise FrameError("expected a scape frame of this stage")
+        if phase == "values":
+            v = frame.tensors.get("v")
+            if v is None or v.dtype != torch.bfloat16 or v.dim() != 1 or v.numel() > self.numel:
+                raise FrameError("scape values malformed")
+        if phase == "anchor":
+            phase = anchor_key(frame)
+        if self._check_step(s.peer, frame.step):
+            cond = self._condition()
+            async with cond:
+                self._store(s.peer, phase, frame)
+                cond.notify_all()
 
     async def _serves_stage(self, peer: str) -> bool:
         """True if ``peer`` announces a fast replica of this stage; a peer not yet in our routes

@@ -52,11 +52,11 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from node.net import rpc
-from node.net.transport import close_quietly
+from node.net.serve import NotAllowed, Stream, serve
 from node.stage.context import StageContext
 from node.stage.step import StepGate
 from node.swarm.routing import fast_peers_of_stage
-from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame
+from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame
 
 log = logging.getLogger("node")
 
@@ -214,46 +214,58 @@ class TiedExchange:
     # ------------------------------------------------------------ receiving side
     async def handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         ctx = self.ctx
-        peer = str(stream_info.peer_id)
-        try:
-            data = await ctx.wire.recv(reader, MAX_FRAME_BYTES, ctx.cfg.hop_timeout)
-            ctx.metrics.tied_bytes_received += len(data)
-            if peer not in ctx.routes[self.partner]:
-                await self.refresh_routes()
-            if peer not in ctx.routes[self.partner]:
-                raise FrameError(f"{peer[:12]} does not serve stage {self.partner}")
-            frame = decode_frame(data, run_id=ctx.run.run_id)  # finite floats only
-            if frame.kind != "tied":
-                raise FrameError("expected a tied gradient")
-            partners = self._partners()
-            if not (self.paired(partners) and partners == [peer]) or frame.step <= self.done_step:
-                # we do not pair with this sender (we see a replica it does not), or we are past that
-                # step's exchange: we will not send ours, so it must not wait
-                await self._ack(writer, frame.step, paired=False)
-                return
-            if abs(frame.step - ctx.inner_step) > STEP_WINDOW:  # paired, the partner's step is ours
-                raise FrameError(
-                    f"tied gradient of step {frame.step}, {STEP_WINDOW}+ steps from ours ({ctx.inner_step})"
-                )
-            if frame.step <= self.newest.get(peer, -1):
-                raise FrameError(f"tied gradient of step {frame.step} is not newer than the last one")
-            grad = await ctx.compute(partner_gradient, frame.tensors, self.param, not ctx.is_head)
-            async with self._arrived:
-                self.newest[peer] = frame.step
-                self.inbox = {k: g for k, g in self.inbox.items() if k[1] != peer}  # the newest only
-                self.inbox[(frame.step, peer)] = grad
-                self._arrived.notify_all()
-            self.declined = None  # it pairs with us again: offer ours at this step
-            await self._ack(writer, frame.step, paired=True)
-        except Exception as e:
-            log.info("tied gradient from %s refused: %s", peer[:12], e)
-            with contextlib.suppress(Exception):
-                err = Frame(kind="error", run_id=ctx.run.run_id, meta={"message": str(e)[:200], "last": 1})
-                await ctx.wire.send(writer, encode_frame(err), ctx.cfg.hop_timeout)
-        finally:
-            close_quietly(writer)
+        await serve(
+            stream_info,
+            reader,
+            writer,
+            ctx.wire,
+            self._take,
+            run_id=ctx.run.run_id,
+            timeout=ctx.cfg.hop_timeout,
+            what="tied gradient",
+            strikes=False,
+        )
 
-    async def _ack(self, writer: asyncio.StreamWriter, step: int, paired: bool) -> None:
+    async def _partner_peer(self, peer: str) -> int:
+        """The sender check: only a peer of the partner stage may send (before its gradient is read)."""
         ctx = self.ctx
-        ack = Frame(kind="tied", run_id=ctx.run.run_id, step=step, meta={"last": 1, "paired": int(paired)})
-        await ctx.wire.send(writer, encode_frame(ack), ctx.cfg.hop_timeout)
+        if peer not in ctx.routes[self.partner]:
+            await self.refresh_routes()
+        if peer not in ctx.routes[self.partner]:
+            raise NotAllowed(f"{peer[:12]} does not serve stage {self.partner}")
+        return MAX_FRAME_BYTES
+
+    async def _take(self, s: Stream) -> None:
+        ctx = self.ctx
+        peer = s.peer
+        data = await s.receive(self._partner_peer, idle=None)
+        ctx.metrics.tied_bytes_received += len(data)
+        frame = decode_frame(data, run_id=ctx.run.run_id)  # finite floats only
+        if frame.kind != "tied":
+            raise FrameError("expected a tied gradient")
+        partners = self._partners()
+        if not (self.paired(partners) and partners == [peer]) or frame.step <= self.done_step:
+            # we do not pair with this sender (we see a replica it does not), or we are past that
+            # step's exchange: we will not send ours, so it must not wait
+            await self._ack(s, frame.step, paired=False)
+            return
+        if abs(frame.step - ctx.inner_step) > STEP_WINDOW:  # paired, the partner's step is ours
+            raise FrameError(
+                f"tied gradient of step {frame.step}, {STEP_WINDOW}+ steps from ours ({ctx.inner_step})"
+            )
+        if frame.step <= self.newest.get(peer, -1):
+            raise FrameError(f"tied gradient of step {frame.step} is not newer than the last one")
+        grad = await ctx.compute(partner_gradient, frame.tensors, self.param, not ctx.is_head)
+        async with self._arrived:
+            self.newest[peer] = frame.step
+            self.inbox = {k: g for k, g in self.inbox.items() if k[1] != peer}  # the newest only
+            self.inbox[(frame.step, peer)] = grad
+            self._arrived.notify_all()
+        self.declined = None  # it pairs with us again: offer ours at this step
+        await self._ack(s, frame.step, paired=True)
+
+    async def _ack(self, s: Stream, step: int, paired: bool) -> None:
+        ack = Frame(
+            kind="tied", run_id=self.ctx.run.run_id, step=step, meta={"last": 1, "paired": int(paired)}
+        )
+        await s.send(ack)

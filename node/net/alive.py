@@ -15,21 +15,38 @@ from __future__ import annotations
 import asyncio
 
 from node.net.rpc import open_stream
+from node.net.serve import Stream, serve
 from node.net.transport import close_quietly
+from node.net.wire import Wire
 
 ALIVE_HANDLER = "vnode.alive"
 ANSWER_S = 10.0  # behind saturated links a small message waits seconds (dense@16: 5 s was too short)
 _YES = b"\x01"
+_ANYONE = Wire()  # no key, no bans: the answer of a node that was not given its own wire
 
 
-async def handle_alive(_info, _reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        writer.write(_YES)
-        await asyncio.wait_for(writer.drain(), ANSWER_S)
-    except Exception:  # the asker gave up; nothing is held
-        pass
-    finally:
-        close_quietly(writer)
+async def handle_alive(
+    stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, wire: Wire | None = None
+) -> None:
+    """The answer: one byte, nothing read. ``wire``: the node's, for its ban list."""
+    await serve(
+        stream_info,
+        reader,
+        writer,
+        _ANYONE if wire is None else wire,
+        _yes,
+        run_id="",
+        timeout=ANSWER_S,
+        what="alive question",
+        answer=False,
+        strikes=False,
+    )
+
+
+async def _yes(s: Stream) -> None:
+    s.answered = True  # one raw byte, not a frame: the asker gave up if it cannot be written
+    s.writer.write(_YES)
+    await asyncio.wait_for(s.writer.drain(), s.timeout)
 
 
 async def answers(p2p, peer: str, timeout: float | None = None) -> bool:

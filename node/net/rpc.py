@@ -3,7 +3,7 @@
 The hop client, the anchor circuit, tied gradients, SCAPE and basis fetches (and export) call
 peers through these, so a peer that cannot be reached is one error type everywhere
 (``PeerUnreachable``, a ``ConnectionError``) and an error reply is a ``FrameError`` carrying
-the peer's message.
+the peer's message. The server side of the same streams is ``node.net.serve``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Messages on libp2p streams, signed with the swarm key when the run has one.
 
-Every handler (forward, basis, weights, anchor, scape) sends and receives through one ``Wire``,
-so membership is checked in one place, on raw bytes, before any frame is parsed; the ban list
-every handler strikes lives here too, so a peer banned by one handler is refused by all.
+Every handler (forward, basis, weights, anchor, scape, tied) sends and receives through one
+``Wire``, so membership is checked in one place, on raw bytes, before any frame is parsed; the
+ban list every handler strikes lives here too, so a peer banned by one handler is refused by all
+(the server side of every handler, ``node.net.serve``, checks it first).
 
 A handler reads its request with ``idle``: a stream that sends no byte for ``idle`` seconds is
 closed (``Idle``) however long the frame, so a held stream costs little while a slow but
@@ -12,12 +13,14 @@ steady sender (100 MB at 80 Mbit/s: 10 s) still gets through.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import socket
+from collections.abc import Awaitable, Callable
 
 from node.net.bans import BanList
-from node.net.transport import HEADER_LEN, read_message, write_message
+from node.net.transport import HEADER_LEN, write_message
 from protocol.auth import HEADER_BYTES, ReplayGuard, Unauthorized, sign, verify
 from protocol.frames import FrameTooLarge, MalformedFrame
 
@@ -78,13 +81,26 @@ class Wire:
         return len(out)
 
     async def recv(
-        self, reader: asyncio.StreamReader, max_bytes: int, timeout: float, idle: float | None = None
+        self,
+        reader: asyncio.StreamReader,
+        max_bytes: int | Callable[[], int | Awaitable[int]],
+        timeout: float,
+        idle: float | None = None,
     ) -> bytes:
-        """One message; with ``idle``, the deadline is on inactivity (no byte for ``min(idle, timeout)``
-        seconds: never longer than the caller's deadline), not on the whole message."""
-        if idle is None:
-            return self.open(await read_message(reader, max_bytes + self.overhead, timeout))
-        return self.open(await _read_active(reader, max_bytes + self.overhead, min(idle, timeout)))
+        """One message of at most ``max_bytes`` frame bytes. A callable ``max_bytes`` is asked for
+        the limit after the length header and before any payload byte (a handler's sender check,
+        ``node.net.serve``: it may refuse, or allow a sender's role more). With ``idle``, the
+        deadline is on inactivity (no byte for ``min(idle, timeout)`` seconds: never longer than
+        the caller's deadline), not on the whole message; without, ``timeout`` for the header and
+        again for the payload."""
+        steady = idle is not None
+        deadline = min(idle, timeout) if steady else timeout
+        n = await read_header(reader, deadline, steady)
+        if not isinstance(max_bytes, int):
+            limit = max_bytes()
+            max_bytes = await limit if inspect.isawaitable(limit) else limit
+        check_size(n, max_bytes + self.overhead)
+        return self.open(await read_payload(reader, n, deadline, steady))
 
 
 def raise_accept_backlog(p2p, backlog: int = ACCEPT_BACKLOG) -> bool:
@@ -120,25 +136,50 @@ def raise_accept_backlog(p2p, backlog: int = ACCEPT_BACKLOG) -> bool:
     return False
 
 
-async def skip_message(reader: asyncio.StreamReader, max_bytes: int, idle: float) -> None:
-    """Read one message and throw it away, holding at most a chunk of it: closing a stream with
-    unread bytes resets it, and the reply written before would be lost with it."""
-    n = int.from_bytes(await _read_some(reader, HEADER_LEN, idle, exact=True), "big")
+async def read_header(reader: asyncio.StreamReader, deadline: float, steady: bool = True) -> int:
+    """The declared length of the next message: its 8-byte header, within ``deadline`` seconds
+    (``steady``: no byte for that long raises ``Idle``; else ``asyncio.TimeoutError``)."""
+    return int.from_bytes(await _read_exactly(reader, HEADER_LEN, deadline, steady), "big")
+
+
+def check_size(n: int, max_bytes: int) -> None:
+    """Before a single payload byte is read: a hostile header costs nothing."""
     if n > max_bytes:
         raise FrameTooLarge(f"declared message of {n} bytes exceeds the {max_bytes}-byte limit")
+
+
+async def read_payload(reader: asyncio.StreamReader, n: int, deadline: float, steady: bool = True) -> bytes:
+    """The ``n`` bytes after a header. ``steady``: ``deadline`` is on inactivity (no byte for that
+    long raises ``Idle``), read a MiB at a time; else on the whole payload."""
+    if not steady:
+        return await _read_exactly(reader, n, deadline, steady)
+    buf = bytearray()
+    while len(buf) < n:
+        buf += await _read_some(reader, min(n - len(buf), _CHUNK), deadline)
+    return bytes(buf)
+
+
+async def _read_exactly(reader: asyncio.StreamReader, n: int, deadline: float, steady: bool) -> bytes:
+    if steady:
+        return await _read_some(reader, n, deadline, exact=True)
+    try:
+        return await asyncio.wait_for(reader.readexactly(n), deadline)
+    except asyncio.IncompleteReadError:
+        raise MalformedFrame("stream closed mid-message") from None
+
+
+async def skip_payload(reader: asyncio.StreamReader, n: int, idle: float) -> None:
+    """Read ``n`` payload bytes and throw them away, holding at most a chunk of them."""
     while n > 0:
         n -= len(await _read_some(reader, min(n, _CHUNK), idle))
 
 
-async def _read_active(reader: asyncio.StreamReader, max_bytes: int, idle: float) -> bytes:
-    header = await _read_some(reader, HEADER_LEN, idle, exact=True)
-    n = int.from_bytes(header, "big")
-    if n > max_bytes:  # before a single payload byte is read: a hostile header costs nothing
-        raise FrameTooLarge(f"declared message of {n} bytes exceeds the {max_bytes}-byte limit")
-    buf = bytearray()
-    while len(buf) < n:
-        buf += await _read_some(reader, min(n - len(buf), _CHUNK), idle)
-    return bytes(buf)
+async def skip_message(reader: asyncio.StreamReader, max_bytes: int, idle: float) -> None:
+    """Read one message and throw it away, holding at most a chunk of it: closing a stream with
+    unread bytes resets it, and the reply written before would be lost with it."""
+    n = await read_header(reader, idle)
+    check_size(n, max_bytes)
+    await skip_payload(reader, n, idle)
 
 
 async def _read_some(reader: asyncio.StreamReader, n: int, idle: float, exact: bool = False) -> bytes:
@@ -153,4 +194,14 @@ async def _read_some(reader: asyncio.StreamReader, n: int, idle: float, exact: b
     return chunk
 
 
-__all__ = ["BULK_SLOTS", "IDLE_S", "Idle", "Wire", "Unauthorized", "skip_message"]
+__all__ = [
+    "BULK_SLOTS",
+    "IDLE_S",
+    "Idle",
+    "Wire",
+    "Unauthorized",
+    "check_size",
+    "read_header",
+    "read_payload",
+    "skip_message",
+]

@@ -25,16 +25,17 @@ from compression.codec import Payload
 from compression.pca import fit_basis
 from compression.tiered import fit_rotation
 from node.net.rpc import request
-from node.net.transport import close_quietly
+from node.net.serve import serve
 from node.net.wire import Wire
 from node.swarm.membership import dht_call
-from protocol.frames import Frame, FrameError, decode_frame, encode_frame, error_frame
+from protocol.frames import Frame, FrameError, decode_frame, encode_frame
 from protocol.records import RecordError, basis_key
 
 log = logging.getLogger("node")
 
 HANDLER = "vnode.basis"
 BASIS_TTL_S = 60.0
+REQUEST_BYTES = 4096  # a basis request is a frame without tensors
 BASIS_VERSION = 1  # refresh policy: never (measured in bench/results: the step-0 basis keeps learning)
 
 
@@ -170,29 +171,33 @@ class BasisStore:
             )
 
     async def handle(self, stream_info, reader, writer) -> None:
-        try:
-            try:
-                req = decode_frame(await self.wire.recv(reader, 4096, self.timeout), run_id=self.run_id)
-                payload = self.held.get((req.boundary, req.basis_version))
-                if req.kind != "basis" or payload is None:
-                    raise FrameError(f"no basis {req.boundary}:{req.basis_version} here")
-                reply = Frame(
-                    kind="basis",
-                    run_id=self.run_id,
-                    boundary=req.boundary,
-                    basis_version=req.basis_version,
-                    tensors=payload,
-                )
-            except FrameError as e:
-                reply = error_frame(self.run_id, e)
-            data = encode_frame(reply)
-            if reply.kind == "basis":
-                self.bytes_served += len(data)
-            await self.wire.send(writer, data, self.timeout)
-        except Exception as e:  # the requester went away
-            log.debug("basis stream ended: %s", e)
-        finally:
-            close_quietly(writer)
+        await serve(
+            stream_info,
+            reader,
+            writer,
+            self.wire,
+            self._send_basis,
+            run_id=self.run_id,
+            timeout=self.timeout,
+            what="basis request",
+            strikes=False,
+        )
+
+    async def _send_basis(self, s) -> None:
+        req = decode_frame(await s.receive(REQUEST_BYTES, idle=None), run_id=self.run_id)
+        payload = self.held.get((req.boundary, req.basis_version))
+        if req.kind != "basis" or payload is None:
+            raise FrameError(f"no basis {req.boundary}:{req.basis_version} here")
+        reply = Frame(
+            kind="basis",
+            run_id=self.run_id,
+            boundary=req.boundary,
+            basis_version=req.basis_version,
+            tensors=payload,
+        )
+        data = encode_frame(reply)
+        self.bytes_served += len(data)
+        await s.send(data)
 
     async def holders(self, boundary: int, version: int) -> list[tuple[str, str]]:
         found = await dht_call(

@@ -1,4 +1,7 @@
-"""The forward stream handler: bans, parsing off the loop, error mapping, byte counting, reply first.
+"""The forward stream handler: parsing off the loop, error mapping, byte counting, reply first.
+
+The stream itself (bans, the bounded read, the typed error reply, closing) is ``node.net.serve``'s,
+as for every handler; this module says what a FORWARD stream answers, and when this node steps.
 
 Every stream gets exactly one answer: the BACKWARD frame, or an ERROR frame whose code says
 what the sender should do (``downstream``: our next stage failed, do not retry again;
@@ -23,12 +26,12 @@ import time
 from collections.abc import Awaitable, Callable
 
 from node.net.bans import BanList
-from node.net.transport import close_quietly
-from node.net.wire import IDLE_S, Idle, Unauthorized, raise_accept_backlog, skip_message
+from node.net.serve import Stream, serve
+from node.net.wire import IDLE_S, Idle, raise_accept_backlog
 from node.stage.context import StageContext
 from node.stage.hop import HopFailed
 from node.stage.step import Busy
-from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, encode_frame, error_frame
+from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError
 
 log = logging.getLogger("node")
 
@@ -83,7 +86,7 @@ class ForwardServer:
                 log.info("could not raise the stream accept backlog; bursts past 100 streams may be reset")
         peer = str(stream_info.peer_id)
         if self._per_peer.get(peer, 0) >= MAX_STREAMS_PER_PEER:
-            await self._shed(peer, reader, writer)
+            await self._shed(stream_info, reader, writer)
             return
         self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
         self.active += 1
@@ -98,9 +101,10 @@ class ForwardServer:
             if not self.active:
                 self._idle.set()
 
-    async def _shed(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _shed(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Answer a stream over the peer's bound with ``busy``, its frame read but never kept."""
         ctx = self.ctx
+        peer = str(stream_info.peer_id)
         ctx.metrics.shed_streams += 1
         now = time.monotonic()
         if now - self._shed_logged.get(peer, -SHED_LOG_EVERY_S) >= SHED_LOG_EVERY_S:
@@ -113,73 +117,72 @@ class ForwardServer:
                 MAX_STREAMS_PER_PEER,
                 ctx.metrics.shed_streams,
             )
-        msg = f"over {MAX_STREAMS_PER_PEER} concurrent streams from this peer; try another replica"
-        reply = encode_frame(_error(ctx.run.run_id, "busy", msg))
-        idle = min(IDLE_S, ctx.cfg.hop_timeout)
-        try:
+        why = Busy(f"over {MAX_STREAMS_PER_PEER} concurrent streams from this peer; try another replica")
+
+        async def discard(s: Stream) -> None:
             try:
-                await skip_message(reader, MAX_FRAME_BYTES + ctx.wire.overhead, idle)
+                await s.skip(MAX_FRAME_BYTES, IDLE_S)
             except (FrameError, Idle):  # a cut or stalled frame still gets the same answer
                 pass
-            await ctx.wire.send(writer, reply, ctx.cfg.hop_timeout)
-        except Exception as e:  # the flooder went away
-            log.debug("shed stream ended: %s", e)
-        finally:
-            close_quietly(writer)
+            await s.refuse(why, "busy")
+
+        await serve(
+            stream_info,
+            reader,
+            writer,
+            ctx.wire,
+            discard,
+            run_id=ctx.run.run_id,
+            timeout=ctx.cfg.hop_timeout,
+            what="shed stream",
+            strikes=False,  # neither a strike nor a forgiven one
+        )
 
     async def _handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         ctx = self.ctx
-        peer = str(stream_info.peer_id)
-        sealed = True
         served = False
-        try:
-            if self.bans.is_banned(peer):  # costs a banned peer's frames nothing but a closed stream
-                return
-            try:
-                data = await ctx.wire.recv(reader, MAX_FRAME_BYTES, ctx.cfg.hop_timeout, idle=IDLE_S)
-                if self.leaving:  # upstream retries it on another replica
-                    raise Busy("this node is leaving the swarm; try another replica")
-                reply, out = await self.serve(data)
-                served = True
-                self.bans.record_good(peer)
-            except FrameError as e:
-                ctx.metrics.rejected_frames += 1
-                if self.bans.record_bad(peer):
-                    log.warning("banning %s for repeated invalid frames (last: %s)", peer[:12], e)
-                log.info("rejected a frame from %s: %s", peer[:12], e)
-                reply = error_frame(ctx.run.run_id, e)
-                sealed = not isinstance(e, Unauthorized)  # a keyless sender must still read why
-            except HopFailed as e:
-                reply = _error(ctx.run.run_id, "downstream", str(e))
-            except Idle as e:
-                ctx.metrics.idle_streams += 1
-                log.info("closing an idle stream from %s: %s", peer[:12], e)
-                reply = _error(ctx.run.run_id, "busy", str(e))
-            except (asyncio.TimeoutError, RuntimeError) as e:
-                reply = _error(ctx.run.run_id, "busy", f"{type(e).__name__}: {e}")
-            except Exception as e:  # a bug of ours must still answer, never leave the sender waiting
-                log.warning("internal error serving %s: %s: %s", peer[:12], type(e).__name__, e)
-                reply = _error(ctx.run.run_id, "internal", f"{type(e).__name__}: {e}")
-            if not served:  # error frames carry no tensors: cheap to encode here
-                out = encode_frame(reply)
-            if served:  # a BACKWARD frame takes its turn on the uplink (node/net/wire.py BULK_SLOTS)
-                async with ctx.wire.bulk(peer):
-                    sent = await ctx.wire.send(writer, out, ctx.cfg.hop_timeout, sealed=sealed)
-            else:  # an error frame is small: it never waits behind the pipeline's frames
-                sent = await ctx.wire.send(writer, out, ctx.cfg.hop_timeout, sealed=sealed)
-            if served:
-                ctx.metrics.replies_sent.append((time.monotonic(), reply.microbatch))
-                ctx.metrics.count_frame(ctx.index - 1, "backward", sent, int(reply.meta.get("mb_tokens", 0)))
-        except Exception as e:  # the requester went away; nothing of ours is held any more
-            log.debug("stream ended: %s", e)
-        finally:
-            close_quietly(writer)
+
+        async def body(s: Stream) -> None:
+            nonlocal served
+            data = await s.receive(MAX_FRAME_BYTES, idle=IDLE_S)
+            if self.leaving:  # upstream retries it on another replica
+                raise Busy("this node is leaving the swarm; try another replica")
+            reply, out = await self.serve(data)
+            served = True
+            async with ctx.wire.bulk(s.peer):  # a BACKWARD frame takes its turn on the uplink (BULK_SLOTS)
+                sent = await s.send(out)
+            ctx.metrics.replies_sent.append((time.monotonic(), reply.microbatch))
+            ctx.metrics.count_frame(ctx.index - 1, "backward", sent, int(reply.meta.get("mb_tokens", 0)))
+
+        # an error reply is small: it never waits behind the pipeline's frames for a turn
+        await serve(
+            stream_info,
+            reader,
+            writer,
+            ctx.wire,
+            body,
+            run_id=ctx.run.run_id,
+            timeout=ctx.cfg.hop_timeout,
+            what="frame",
+            on_error=self._refused,
+        )
         if served:  # the reply is out (or its sender gone): now this node may step
             try:
                 await self.after_reply()
             except Exception as e:  # a failed step must not escape into the transport's handler
                 log.warning("inner step failed: %s: %s", type(e).__name__, e)
 
-
-def _error(run_id: str, code: str, message: str) -> Frame:
-    return Frame(kind="error", run_id=run_id, meta={"code": code, "message": message[:300]})
+    def _refused(self, _s: Stream, e: Exception) -> str | None:
+        """The answer's code: a frame error its own (and counted), ``downstream``: our next stage
+        failed (do not retry again), ``busy``: a deadline, this node busy or leaving (try another
+        replica); else ``internal``."""
+        if isinstance(e, FrameError):
+            self.ctx.metrics.rejected_frames += 1
+            return None
+        if isinstance(e, HopFailed):
+            return "downstream"
+        if isinstance(e, Idle):
+            self.ctx.metrics.idle_streams += 1
+        if isinstance(e, (asyncio.TimeoutError, RuntimeError)):
+            return "busy"
+        return None

@@ -18,13 +18,14 @@ import logging
 import torch
 
 from node.net import rpc
-from node.net.transport import close_quietly
+from node.net.serve import serve
 from node.swarm.routing import fast_peers_of_stage
 from protocol.frames import MAX_TENSORS, Frame, FrameError, decode_frame, encode_frame
 
 log = logging.getLogger("node")
 
 WEIGHTS_HANDLER = "vnode.weights"
+REQUEST_BYTES = 4096  # a weights request is a frame without tensors
 
 
 def chunks(items: list, n: int) -> list[list]:
@@ -40,32 +41,41 @@ class WeightServer:
 
     async def handle(self, stream_info, reader, writer) -> None:
         rt = self.rt
-        try:
-            req = decode_frame(await rt.wire.recv(reader, 4096, rt.cfg.hop_timeout), run_id=rt.run.run_id)
-            if req.kind != "weights":
-                raise FrameError("expected a weights request")
-            # export asks for the exact fp32 weights and a digest; joiners and anchors get bf16
-            exact = req.meta.get("dtype") == "float32"
-            step, named = await rt.compute(self._snapshot, torch.float32 if exact else torch.bfloat16)
-            digest = await asyncio.to_thread(weights_digest, named) if exact else ""  # off the event loop
-            groups = chunks(sorted(named.items()), MAX_TENSORS)
-            for i, group in enumerate(groups):
-                last = i == len(groups) - 1
-                data = encode_frame(
-                    Frame(
-                        kind="weights",
-                        run_id=rt.run.run_id,
-                        step=step,
-                        tensors=dict(group),
-                        meta={"last": 1, "digest": digest} if last else {"last": 0},
-                    )
+        await serve(
+            stream_info,
+            reader,
+            writer,
+            rt.wire,
+            self._send_weights,
+            run_id=rt.run.run_id,
+            timeout=rt.cfg.hop_timeout,
+            what="weights request",
+            strikes=False,
+        )
+
+    async def _send_weights(self, s) -> None:
+        rt = self.rt
+        req = decode_frame(await s.receive(REQUEST_BYTES, idle=None), run_id=rt.run.run_id)
+        if req.kind != "weights":
+            raise FrameError("expected a weights request")
+        # export asks for the exact fp32 weights and a digest; joiners and anchors get bf16
+        exact = req.meta.get("dtype") == "float32"
+        step, named = await rt.compute(self._snapshot, torch.float32 if exact else torch.bfloat16)
+        digest = await asyncio.to_thread(weights_digest, named) if exact else ""  # off the event loop
+        groups = chunks(sorted(named.items()), MAX_TENSORS)
+        for i, group in enumerate(groups):
+            last = i == len(groups) - 1
+            data = encode_frame(
+                Frame(
+                    kind="weights",
+                    run_id=rt.run.run_id,
+                    step=step,
+                    tensors=dict(group),
+                    meta={"last": 1, "digest": digest} if last else {"last": 0},
                 )
-                self.bytes_served += len(data)
-                await rt.wire.send(writer, data, rt.cfg.hop_timeout)
-        except Exception as e:
-            log.debug("weights stream ended: %s", e)
-        finally:
-            close_quietly(writer)
+            )
+            self.bytes_served += len(data)
+            await s.send(data)
 
     def _snapshot(self, dtype: torch.dtype = torch.bfloat16) -> tuple[int, dict[str, torch.Tensor]]:
         return self.rt.inner_step, {
@@ -120,5 +130,3 @@ def _load_weights(stage, named: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for n, p in stage.named_parameters():
             p.copy_(named[n].to(p.dtype))
-
-
