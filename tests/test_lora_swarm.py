@@ -1,0 +1,107 @@
+"""`swarm --finetune lora`: a real multi-process swarm trains adapters only, its replicas average
+the adapters alone (outer-round bytes = the adapters' bytes), and the model leaves the swarm as a
+merged checkpoint that transformers loads plus a peft adapter directory that gives the same logits."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from tests.conftest import run_swarm
+
+MODEL, RANK = "tiny:2:128", 4
+
+
+@pytest.fixture(scope="module")
+def lora_swarm(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora")
+    rep = run_swarm(
+        out,
+        "--nodes", "4", "--stages", "2", "--steps", "24", "--model", MODEL, "--lr", "1e-2",
+        "--finetune", "lora", "--lora-rank", str(RANK), "--lora-alpha", "8",
+        "--outer-every", "6", "--powersgd-rank", "0", "--outer-timeout", "45", "--no-rebalance",
+        "--export", str(out / "model"),
+        timeout=500,
+    )  # fmt: skip
+    return rep, out
+
+
+def _adapter_numel_per_stage() -> dict[int, int]:
+    """Adapter parameters of each stage of the run's split, counted on stages built here."""
+    from node.model.adapters import add_adapters
+    from node.model.loading import load_model
+    from node.model.stages import build_stage
+    from protocol.settings import FinetuneSettings
+
+    ft = FinetuneSettings(mode="lora", rank=RANK, alpha=8.0)
+    out = {}
+    for i in range(2):
+        stage = build_stage(load_model(MODEL)[0], [[0, 1], [1, 2]], i)
+        add_adapters(stage, ft, 0)
+        out[i] = sum(p.numel() for p in stage.parameters() if p.requires_grad)
+    return out
+
+
+def test_the_run_learns_through_the_adapters(lora_swarm):
+    rep, _ = lora_swarm
+    loss = rep["loss"]
+    assert len(loss) >= 24
+    first, last = sum(loss[:4]) / 4, sum(loss[-4:]) / 4
+    assert last < 0.9 * first, (first, last)
+    assert rep["dropped_microbatches"] <= 0.05 * sum(rep["microbatches_per_peer"].values()), rep
+
+
+def test_outer_rounds_carry_the_adapters_only_and_replicas_agree(lora_swarm):
+    rep, _ = lora_swarm
+    numel = _adapter_numel_per_stage()
+    steady = [
+        (m["stage"], r)
+        for m in rep["nodes"]
+        for r in m.get("outer_rounds", [])
+        if not r["skipped"] and r["group_size"] == 2 and not r.get("reanchored")
+    ]
+    assert steady, [m.get("outer_rounds") for m in rep["nodes"]]
+    for stage, r in steady:
+        # uncompressed fp32 in a group of two: each peer sends half its vector and returns the
+        # averaged half, 4 B x numel in all, plus protobuf headers
+        want = 4 * numel[stage]
+        assert want <= r["bytes_sent"] <= 1.05 * want + 2048, (stage, r["bytes_sent"], want)
+    assert rep["outer"]["max_replica_distance"] is not None
+    assert rep["outer"]["max_replica_distance"] <= 1e-6, rep["outer"]
+
+
+def test_export_merged_and_peft_adapter_agree(lora_swarm):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from node.model.loading import load_model
+
+    _, out = lora_swarm
+    info = json.loads((out / "model" / "swarm_export.json").read_text())
+    assert info["finetune"]["mode"] == "lora" and info["adapter"] == "adapter"
+    merged = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32).eval()
+    base = load_model(MODEL)[0].eval()
+    loaded = PeftModel.from_pretrained(copy.deepcopy(base), str(out / "model" / "adapter")).eval()
+    ids = torch.randint(0, 500, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = merged(input_ids=ids).logits
+        assert (loaded(input_ids=ids).logits - want).abs().max() <= 1e-5
+        assert (base(input_ids=ids).logits - want).abs().max() > 1e-3  # the adapters trained
+
+
+def test_checkpoints_hold_the_adapters_only(lora_swarm):
+    from node.model.checkpoint import checkpoint_dir, load_latest
+
+    rep, _ = lora_swarm
+    found = 0
+    for m in rep["nodes"]:
+        ck = load_latest(checkpoint_dir(m["state_dir"], rep["run_id"], m["stage"]))
+        if ck is None:
+            continue
+        found += 1
+        assert ck.stage_state and all(".lora_" in n for n in ck.stage_state), sorted(ck.stage_state)[:3]
+        assert ck.counters["finetune"]["mode"] == "lora"
+    assert found >= 2  # the export read one per stage
