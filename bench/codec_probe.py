@@ -25,19 +25,8 @@ from pathlib import Path
 
 import torch
 
-from bench.quality import (
-    BATCH,
-    CALIB_EXAMPLES,
-    CLIP,
-    LR,
-    SEQ_LEN,
-    Pipeline,
-    answer_loss,
-    batches,
-    evaluate,
-    held_out,
-    task_stream,
-)
+from bench.quality_pipeline import Pipeline, answer_loss, batches, score
+from bench.quality_tasks import BATCH, CALIB_EXAMPLES, CLIP, LR, SEQ_LEN, held_out, task_stream
 from compression.baselines import dequantize_blockwise, quantize_blockwise
 from compression.pca import fit_basis
 from node.model.data import collate, tokenize
@@ -139,14 +128,16 @@ def main(argv=None) -> int:
 
         return per_batch
 
-    loss, em = evaluate(pipe, evals, tok, pad, None)
+    loss, em = score(pipe, evals, tok)
     rows = [{"variant": "dense", "k": None, "bits": 16, "eval_loss": loss, "em": em}]
     print(f"dense: loss {loss:.3f} EM {em:.3f}", flush=True)
     for mode, k, bits in VARIANTS:
-        loss, em = evaluate(pipe, evals, tok, pad, links_for(mode, k, bits))
+        # loss only: the token-conditioned link reads the teacher-forced batch j's ids, which greedy
+        # decoding (node.model.evaluate.exact_match) does not feed it
+        loss, em = score(pipe, evals, tok, links_for(mode, k, bits), em=False)
         rows.append({"variant": f"{mode}{k}", "k": k, "bits": bits, "eval_loss": loss, "em": em})
         coeff = "float" if bits is None else f"int{bits}"
-        print(f"{mode}{k} {coeff}: loss {loss:.3f} EM {em:.3f}", flush=True)
+        print(f"{mode}{k} {coeff}: loss {loss:.3f}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = json.loads(out.read_text()) if out.exists() else []

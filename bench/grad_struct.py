@@ -17,7 +17,8 @@ import argparse
 
 import torch
 
-from bench.quality import BATCH, HIDDEN, SEQ_LEN, Pipeline, answer_loss, step_frames, task_stream
+from bench.quality_pipeline import Pipeline, answer_loss
+from bench.quality_tasks import BATCH, HIDDEN, SEQ_LEN, step_frames, task_stream
 from compression.codec import LinkContext
 from compression.registry import make_codec
 from node.model.data import collate, tokenize

@@ -17,18 +17,9 @@ from pathlib import Path
 
 import torch
 
-from bench.quality import (
-    CALIB_EXAMPLES,
-    HIDDEN,
-    RANGES,
-    VARIANTS,
-    Metered,
-    Pipeline,
-    batches,
-    calibrate,
-    held_out,
-    task_stream,
-)
+from bench.quality_codecs import Metered
+from bench.quality_pipeline import Pipeline, batches, calibrate
+from bench.quality_tasks import CALIB_EXAMPLES, HIDDEN, RANGES, VARIANTS, held_out, task_stream
 from compression.codec import LinkContext
 from compression.pca import PcaCodec
 from compression.prf import mask_seed

@@ -28,21 +28,9 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from bench.quality import (
-    CALIB_EXAMPLES,
-    CLIP,
-    LR,
-    SEQ_LEN,
-    VARIANTS,
-    Metered,
-    Pipeline,
-    answer_loss,
-    build_codec,
-    calibrate,
-    calibrated,
-    step_frames,
-    task_stream,
-)
+from bench.quality_codecs import Metered, build_codec, calibrated
+from bench.quality_pipeline import Pipeline, answer_loss, calibrate
+from bench.quality_tasks import CALIB_EXAMPLES, CLIP, LR, SEQ_LEN, VARIANTS, step_frames, task_stream
 from compression.codec import LinkCodec, LinkContext, payload_nbytes
 from node.model.data import collate, tokenize
 from node.model.loading import load_model

@@ -1,0 +1,42 @@
+"""bench/quality.py scores a run with the node's own evaluation: on a tiny random Llama split in
+stages, 10 steps dense and through the default link, its exact match and eval loss are what
+``node.model.evaluate`` computes on the trained whole model."""
+
+import pytest
+import torch
+
+from bench.quality import trial
+from bench.quality_pipeline import PipelineLM
+from bench.quality_tasks import VARIANTS, Setup
+from node.model.evaluate import completion_budget, evaluate, exact_match
+
+DEFAULT_LINK = "lowrank80i8b8k32"  # a new run's codec on short frames (node.stage.links)
+TINY = Setup(model="tiny:4:128", ranges=((0, 1), (1, 2), (2, 4)), batch=8, seq_len=48, calib_examples=16)
+
+
+def test_the_bench_default_link_is_the_nodes():
+    from bench.quality_codecs import build_codec
+    from node.config import NodeConfig
+    from node.stage.links import codec_settings
+
+    assert build_codec(VARIANTS[DEFAULT_LINK]).describe() == codec_settings(NodeConfig())
+
+
+@pytest.mark.parametrize("variant", ["dense", DEFAULT_LINK])
+def test_bench_scores_equal_the_nodes_evaluation(variant):
+    torch.set_num_threads(1)
+    t = trial(VARIANTS[variant], "arithmetic", seed=0, steps=10, n_eval=12, log_every=10, setup=TINY)
+    rec = t.record
+    assert rec["steps_codec"] == 10 and rec["tokens_trained"] > 0
+    assert rec["frame_bytes_per_token"]["fwd"] > rec["payload_bytes_per_token"] > 0  # header and labels too
+    budget = completion_budget(t.tok, t.evals)
+    node = evaluate(t.model.eval(), t.tok, t.evals, max_new_tokens=budget)  # the whole model, KV cache
+    assert node["n"] == len(t.evals) == 12
+    assert rec["eval_loss"] == pytest.approx(node["loss"], rel=0, abs=1e-6)
+    assert rec["em"] == pytest.approx(node["em"], rel=0, abs=1e-6) and rec["em_dense_eval"] == rec["em"]
+    # a random model's EM is 0 either way; its greedy completions, which EM compares, are not empty
+    # and are the same text through the bench's stages as through the whole model
+    bench_outs = exact_match(PipelineLM(t.pipe), t.tok, t.evals, budget)[1]
+    assert bench_outs == exact_match(t.model, t.tok, t.evals, budget)[1] and all(bench_outs)
+    if variant != "dense":  # the codec-on numbers went through the link
+        assert rec["eval_loss_codec"] != rec["eval_loss"]
