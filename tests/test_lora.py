@@ -180,6 +180,24 @@ def test_the_bundled_shape_of_a_tied_model_keeps_its_embedding_frozen():
     assert torch.equal(head.embed_tokens.weight, tail.lm_head.weight)
 
 
+def test_a_lora_stage_serves_and_loads_its_adapters_only_in_fp32():
+    import types
+
+    from node.swarm.weights import WeightServer, _load_weights
+
+    base = _base()
+    served, joiner = _stages(base, [[0, 2], [2, 4]], seed=1)[1], _stages(base, [[0, 2], [2, 4]], seed=2)[1]
+    with torch.no_grad():
+        for p in adapter_tensors(served).values():
+            p.add_(0.5)
+    step, named = WeightServer(types.SimpleNamespace(stage=served, inner_step=9))._snapshot(torch.bfloat16)
+    assert step == 9 and set(named) == {n for n, p in served.named_parameters() if p.requires_grad}
+    assert all(t.dtype == torch.float32 for t in named.values())
+    _load_weights(joiner, named)
+    ours, theirs = adapter_tensors(served), adapter_tensors(joiner)
+    assert all(torch.equal(ours[n], theirs[n]) for n in ours)
+
+
 @pytest.mark.slow
 def test_bundled_model_split_lora_matches_whole_model_peft():
     model = load_model("bundled")[0]

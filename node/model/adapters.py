@@ -176,6 +176,13 @@ def save_peft_adapter(out, adapters: dict[str, torch.Tensor], ft: FinetuneSettin
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
+def moving_parameters(stage: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters training moves: all of them, or the adapters over a frozen base."""
+    named = dict(stage.named_parameters())
+    trainable = {n: p for n, p in named.items() if p.requires_grad}
+    return named if len(trainable) == len(named) else trainable
+
+
 def trained_state(stage: nn.Module) -> dict[str, torch.Tensor]:
     """What a checkpoint or a weight pull must carry: the whole state when every weight trains,
     only the trainable tensors (the adapters) over a frozen base, which any node reloads from the

@@ -3,7 +3,8 @@
 A node joining a stage mid-run pulls the most advanced replica's weights once, so it starts from
 the swarm's current weights rather than the pretrained ones; anchors pull them every few fast
 steps; ``node export`` pulls an exact fp32 copy with a sha256 digest (``weights_digest``).
-Weights travel in bf16 (fp32 when export asks), in frames of at most ``MAX_TENSORS`` tensors.
+Weights travel in bf16 (fp32 when export asks), in frames of at most ``MAX_TENSORS`` tensors; a
+LoRA run's stages send their adapters only, always in fp32 (``moving_parameters``).
 
 The server gets the stage's shared context (run, stage, transport, compute thread), never the
 runtime; a ``StageRuntime`` offers the same attributes, so ``pull_weights(runtime)`` works too.
@@ -17,6 +18,7 @@ import logging
 
 import torch
 
+from node.model.adapters import moving_parameters
 from node.net import rpc
 from node.net.serve import serve
 from node.swarm.routing import fast_peers_of_stage
@@ -78,9 +80,12 @@ class WeightServer:
             await s.send(data)
 
     def _snapshot(self, dtype: torch.dtype = torch.bfloat16) -> tuple[int, dict[str, torch.Tensor]]:
-        return self.rt.inner_step, {
-            n: p.detach().to(dtype).cpu().clone() for n, p in self.rt.stage.named_parameters()
-        }
+        """The weights training moved: every weight, or a LoRA run's adapters only. Adapters go in
+        fp32 whatever was asked: they are small, and a bf16 copy would put a joiner off its replicas."""
+        moving = moving_parameters(self.rt.stage)
+        if len(moving) < sum(1 for _ in self.rt.stage.parameters()):
+            dtype = torch.float32
+        return self.rt.inner_step, {n: p.detach().to(dtype).cpu().clone() for n, p in moving.items()}
 
 
 def weights_digest(named: dict[str, torch.Tensor]) -> str:
@@ -114,7 +119,7 @@ async def pull_weights(rt) -> tuple[int, int] | None:
                 stream=True,
             )
             named = {k: v for f in frames for k, v in f.tensors.items()}
-            own = dict(rt.stage.named_parameters())
+            own = moving_parameters(rt.stage)
             if set(named) != set(own) or any(named[k].shape != own[k].shape for k in own):
                 raise FrameError("weights do not match this stage's parameters")
             await rt.compute(_load_weights, rt.stage, named)
@@ -128,5 +133,5 @@ async def pull_weights(rt) -> tuple[int, int] | None:
 
 def _load_weights(stage, named: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
-        for n, p in stage.named_parameters():
+        for n, p in moving_parameters(stage).items():
             p.copy_(named[n].to(p.dtype))
