@@ -398,6 +398,14 @@ class NodeConfig:
         flag="--max-memory",
         group=NODE,
     )
+    max_host_memory_gb: float = opt(
+        0.0,
+        help="GiB of host RAM this node may use beyond the device's share (outer state, checkpoint "
+        "copies; on a CPU node the stage's own memory too): stages whose estimate exceeds it are "
+        "not claimed; 0 = no limit (default: %(default)s)",
+        flag="--max-host-memory",
+        group=NODE,
+    )
     max_inflight: int = opt(
         4, help="cap on microbatches this node holds in flight (default: %(default)s)", group=NODE
     )

@@ -22,7 +22,7 @@ import torch
 
 from node.config import NodeConfig, run_parts
 from node.dp.diloco import OuterSync
-from node.model.adapters import add_adapters, base_dtype, cast_base
+from node.model.adapters import adapter_params, add_adapters, base_dtype, cast_base
 from node.model.checkpoint import newest_for_run
 from node.model.data import ByteTokenizer, as_plain_text, load_examples, microbatches
 from node.model.devices import GIB, describe_memory, pick_device, stage_memory_bytes
@@ -142,6 +142,9 @@ def calibrate_bases(cfg: NodeConfig, run: RunRecord, source: ModelSource, tok, s
 def stage_memory(cfg: NodeConfig, run: RunRecord, model, device) -> list[dict[str, int]]:
     """Memory estimate of every stage of the run on this node's device."""
     layers = model.model.layers
+    lora = run.finetune.mode == "lora"
+    base_bytes = torch.finfo(base_dtype(cfg.base_dtype, device)).bits // 8 if lora else None
+    outer = run.outer.every > 0 and run.dp.mode == "diloco" and cfg.circuit == "fast"
     out = []
     for i, (start, end) in enumerate(run.stages):
         n = sum(p.numel() for layer in layers[start:end] for p in layer.parameters())
@@ -150,6 +153,7 @@ def stage_memory(cfg: NodeConfig, run: RunRecord, model, device) -> list[dict[st
         is_tail = i == len(run.stages) - 1
         if is_tail:
             n += model.get_output_embeddings().weight.numel()
+        trainable = adapter_params(layers[start:end], run.finetune) if lora else None
         out.append(
             stage_memory_bytes(
                 n,
@@ -159,24 +163,41 @@ def stage_memory(cfg: NodeConfig, run: RunRecord, model, device) -> list[dict[st
                 run.max_frame_tokens,
                 cfg.max_inflight,
                 device,
+                n_adapters=trainable,
+                base_bytes=base_bytes,
+                outer=outer,
             )
         )
     return out
 
 
-def stages_that_fit(cfg: NodeConfig, mem: list[dict[str, int]]) -> set[int]:
-    if not cfg.max_memory_gb:
-        return set(range(len(mem)))
-    return {i for i, m in enumerate(mem) if m["total"] <= cfg.max_memory_gb * GIB}
+def stages_that_fit(cfg: NodeConfig, mem: list[dict[str, int]], on_cpu: bool = False) -> set[int]:
+    """The stages whose estimate fits --max-memory (the device) and --max-host-memory (the host's
+    own buffers, plus the device's share when the device is the CPU: one RAM)."""
+    fits = set(range(len(mem)))
+    if cfg.max_memory_gb:
+        fits = {i for i in fits if mem[i]["total"] <= cfg.max_memory_gb * GIB}
+    if cfg.max_host_memory_gb:
+        fits = {
+            i
+            for i in fits
+            if mem[i].get("host", 0) + (mem[i]["total"] if on_cpu else 0) <= cfg.max_host_memory_gb * GIB
+        }
+    return fits
 
 
 def claim_stage(cfg: NodeConfig, dht, run: RunRecord, peer_id: str, fits: set[int] | None = None) -> int:
     n = len(run.stages)
     fits = set(range(n)) if fits is None else fits
+    limits = " and ".join(
+        f"{flag} {gb:g} GiB"
+        for flag, gb in (("--max-memory", cfg.max_memory_gb), ("--max-host-memory", cfg.max_host_memory_gb))
+        if gb
+    )
     if not fits:
         raise JoinError(
-            f"no stage of this run fits in --max-memory {cfg.max_memory_gb:g} GiB; join a run with "
-            "more stages, raise --max-memory, or use a device with more memory"
+            f"no stage of this run fits in {limits}; join a run with more stages or --finetune lora, "
+            "raise the limit, or use a machine with more memory"
         )
     if cfg.stage != "auto":
         index = int(cfg.stage)
@@ -184,7 +205,7 @@ def claim_stage(cfg: NodeConfig, dht, run: RunRecord, peer_id: str, fits: set[in
             raise JoinError(f"--stage {index} does not exist: this run has stages 0..{n - 1}")
         if index not in fits:
             raise JoinError(
-                f"stage {index} does not fit in --max-memory {cfg.max_memory_gb:g} GiB; "
+                f"stage {index} does not fit in {limits}; "
                 f"stages that fit: {sorted(fits)}"
             )
     else:
@@ -295,7 +316,7 @@ def run_join(cfg: NodeConfig) -> int:
             elif cfg.stage == "auto":
                 cfg.stage = str(resume_from.counters["stage"])  # back to the stage the checkpoint holds
         mem = stage_memory(cfg, run, model, device)
-        fits = stages_that_fit(cfg, mem)
+        fits = stages_that_fit(cfg, mem, on_cpu=device.type == "cpu")
         stop.check()
         index = claim_stage(cfg, dht, run, peer_id, fits)
         del model

@@ -198,6 +198,37 @@ def test_a_lora_stage_serves_and_loads_its_adapters_only_in_fp32():
     assert all(torch.equal(ours[n], theirs[n]) for n in ours)
 
 
+def test_the_estimate_counts_what_a_lora_stage_allocates():
+    """The device estimate's states (frozen base at its dtype, adapters + grads + AdamW in fp32)
+    against the bytes a real LoRA stage holds after an AdamW step, for an fp32 and a bf16 base."""
+    from node.model.adapters import adapter_params, cast_base
+    from node.model.devices import stage_memory_bytes
+
+    base = _base()
+    for dtype in (torch.float32, torch.bfloat16):
+        stage = build_stage(copy.deepcopy(base), RANGES, 1)
+        n_params = sum(p.numel() for p in stage.parameters())
+        predicted = adapter_params(stage.layers, FT)
+        add_adapters(stage, FT, 0)
+        cast_base(stage, dtype)
+        trained = [p for p in stage.parameters() if p.requires_grad]
+        assert sum(p.numel() for p in trained) == predicted
+        opt = torch.optim.AdamW(trained)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            stage(torch.randn(1, 5, 64)).float().sum().backward()
+        opt.step()
+        held = [*stage.parameters(), *(p.grad for p in trained)]
+        held += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+        used = sum(t.numel() * t.element_size() for t in held)
+        est = stage_memory_bytes(
+            n_params, 2, 64, None, 1, 1, torch.device("cpu"),
+            n_adapters=predicted, base_bytes=torch.finfo(dtype).bits // 8,
+        )  # fmt: skip
+        assert est["states"] == used, (dtype, est["states"], used)
+        full = stage_memory_bytes(n_params, 2, 64, None, 1, 1, torch.device("cpu"))
+        assert est["states"] < full["states"] / (2.5 if dtype == torch.float32 else 4)
+
+
 @pytest.mark.slow
 def test_bundled_model_split_lora_matches_whole_model_peft():
     model = load_model("bundled")[0]

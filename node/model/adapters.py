@@ -105,6 +105,17 @@ def add_adapters(stage: nn.Module, ft: FinetuneSettings, run_seed: int) -> int:
     return n
 
 
+def adapter_params(layers: nn.Module, ft: FinetuneSettings) -> int:
+    """How many adapter parameters ``add_adapters`` will put into these layers: r x (in + out) per
+    targeted linear layer (counted on a meta model before any weight loads)."""
+    targets = set(targets_of(ft))
+    return sum(
+        ft.rank * (m.in_features + m.out_features)
+        for name, m in layers.named_modules()
+        if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets
+    )
+
+
 def cast_base(stage: nn.Module, dtype: torch.dtype) -> None:
     """The frozen base's parameters to ``dtype``; the adapters stay fp32 (their optimizer needs it)."""
     for _, p in stage.named_parameters():

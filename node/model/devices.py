@@ -47,23 +47,52 @@ def stage_memory_bytes(
     frame_tokens: int,
     max_inflight: int,
     device: torch.device,
+    *,
+    n_adapters: int | None = None,
+    base_bytes: int | None = None,
+    outer: bool = False,
 ) -> dict[str, int]:
-    """A stage's memory: weights + grads + AdamW's two moments, all in the weights' dtype (fp32, as
-    ``node.model.loading.weight_dtype`` loads them: 16 B/param), and the activations autograd keeps per
-    in-flight microbatch of ``frame_tokens`` padded tokens (~34·h bytes per token per layer in
-    16-bit, doubled in fp32; Korthikanti et al. 2022), plus the tail's logits."""
+    """A stage's memory on its device and, apart, on the host.
+
+    Device: with full fine-tuning (``n_adapters`` None) every one of the ``n_params`` weights
+    trains; with LoRA the ``n_params`` of the base are frozen at ``base_bytes`` each and the
+    ``n_adapters`` adapter parameters train. Trained tensors are fp32 with their gradients and
+    AdamW's two moments (16 B each, as ``node.model.loading.weight_dtype`` loads them); and the
+    activations autograd keeps per in-flight microbatch of ``frame_tokens`` padded tokens (~34·h bytes per token per layer in 16-bit, doubled in fp32; Korthikanti et al. 2022),
+    plus the tail's logits.
+
+    Host: with ``outer`` (DiLoCo rounds with a replica to average with) the outer model, the
+    pseudo-gradient and the momentum in fp32 shared memory plus PowerSGD's error feedback, 16 B per
+    trained parameter (node.dp.diloco); and a checkpoint's clone of what it saves (the trained
+    weights and AdamW's moments, 12 B per trained parameter, plus the outer state, 12 more).
+    On a CPU the two are the same RAM.
+    """
+    trainable = n_params if n_adapters is None else n_adapters
+    frozen = 0 if n_adapters is None else n_params
+    weight_bytes = torch.finfo(weight_dtype(device)).bits // 8
+    base = weight_bytes if base_bytes is None else base_bytes
     act_bytes = 2 if device.type == "cuda" else 4
     tokens = frame_tokens * max_inflight
     activations = n_layers * tokens * 34 * hidden * act_bytes // 2
     if vocab:
         activations += tokens * vocab * 4 * 2  # fp32 logits and their gradient
-    weight_bytes = torch.finfo(weight_dtype(device)).bits // 8
-    states = n_params * 4 * weight_bytes
-    return {"states": states, "activations": activations, "total": states + activations}
+    states = frozen * base + trainable * 4 * weight_bytes
+    outer_bytes = trainable * 16 if outer else 0
+    checkpoint = trainable * 12 + (trainable * 12 if outer else 0)
+    return {
+        "states": states,
+        "activations": activations,
+        "total": states + activations,
+        "outer": outer_bytes,
+        "checkpoint": checkpoint,
+        "host": outer_bytes + checkpoint,
+        "trainable": trainable,
+    }
 
 
 def describe_memory(mem: dict[str, int]) -> str:
     return (
-        f"~{mem['total'] / GIB:.1f} GiB (weights+grads+AdamW {mem['states'] / GIB:.1f} GiB, "
-        f"activations {mem['activations'] / GIB:.1f} GiB)"
+        f"~{mem['total'] / GIB:.1f} GiB on the device (weights, grads, AdamW {mem['states'] / GIB:.1f} GiB, "
+        f"activations {mem['activations'] / GIB:.1f} GiB) + ~{mem['host'] / GIB:.1f} GiB on the host "
+        "(outer state, checkpoint copy)"
     )
