@@ -58,7 +58,8 @@ def stage_memory_bytes(
     trains; with LoRA the ``n_params`` of the base are frozen at ``base_bytes`` each and the
     ``n_adapters`` adapter parameters train. Trained tensors are fp32 with their gradients and
     AdamW's two moments (16 B each, as ``node.model.loading.weight_dtype`` loads them); and the
-    activations autograd keeps per in-flight microbatch of ``frame_tokens`` padded tokens (~34·h bytes per token per layer in 16-bit, doubled in fp32; Korthikanti et al. 2022),
+    activations autograd keeps per in-flight microbatch of ``frame_tokens`` padded tokens (~34·h bytes per
+    token per layer in 16-bit, doubled in fp32; Korthikanti et al. 2022),
     plus the tail's logits.
 
     Host: with ``outer`` (DiLoCo rounds with a replica to average with) the outer model, the
