@@ -406,6 +406,13 @@ class NodeConfig:
         flag="--max-host-memory",
         group=NODE,
     )
+    recompute_layers: bool = opt(
+        False,
+        help="activation checkpointing: keep only each layer's input per microbatch in flight and "
+        "recompute the layer in backward (about a third more compute, a fraction of the activation "
+        "memory: the memory estimate counts it)",
+        group=NODE,
+    )
     max_inflight: int = opt(
         4, help="cap on microbatches this node holds in flight (default: %(default)s)", group=NODE
     )

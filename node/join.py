@@ -166,6 +166,7 @@ def stage_memory(cfg: NodeConfig, run: RunRecord, model, device) -> list[dict[st
                 n_adapters=trainable,
                 base_bytes=base_bytes,
                 outer=outer,
+                recompute=cfg.recompute_layers,
             )
         )
     return out
@@ -340,6 +341,7 @@ def run_join(cfg: NodeConfig) -> int:
                     json.dump({"peer_id": peer_id, "maddrs": maddrs, "stage": index}, f)
                 os.replace(cfg.ready_file + ".tmp", cfg.ready_file)
             stage = source.load_stage(run.stages, index, device)
+            stage.recompute = cfg.recompute_layers
             if run.finetune.mode == "lora":
                 n = add_adapters(stage, run.finetune, run.seed)
                 cast_base(stage, base_dtype(cfg.base_dtype, device))

@@ -172,3 +172,35 @@ def test_tail_loss_on_labelled_positions_equals_full_loss(tiny_model):
     torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-5, atol=1e-7)
     for (name, pa), (_, pb) in zip(tail_a.named_parameters(), tail_b.named_parameters()):
         torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_recomputed_layers_give_the_same_gradients_and_keep_only_their_inputs():
+    """--recompute-layers: the same loss and gradients, and autograd keeps a fraction of the bytes."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config(layers=4, hidden=64)).eval()
+    stage = build_stage(model, [[0, 1], [1, 4]], 1)
+    x = torch.randn(2, 16, 64)
+
+    def run(recompute: bool):
+        stage.recompute = recompute
+        stage.zero_grad(set_to_none=True)
+        saved = []
+
+        def pack(t):
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        leaf = x.clone().requires_grad_(True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = stage(leaf)
+        kept = sum(saved)
+        y.square().mean().backward()
+        return kept, leaf.grad, {n: p.grad.clone() for n, p in stage.named_parameters()}
+
+    full_bytes, gx, grads = run(False)
+    kept_bytes, gx2, grads2 = run(True)
+    assert torch.allclose(gx, gx2, atol=1e-6)
+    assert all(torch.allclose(grads[n], grads2[n], atol=1e-6) for n in grads)
+    assert kept_bytes < full_bytes / 4, (kept_bytes, full_bytes)

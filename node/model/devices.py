@@ -51,6 +51,7 @@ def stage_memory_bytes(
     n_adapters: int | None = None,
     base_bytes: int | None = None,
     outer: bool = False,
+    recompute: bool = False,
 ) -> dict[str, int]:
     """A stage's memory on its device and, apart, on the host.
 
@@ -60,7 +61,8 @@ def stage_memory_bytes(
     AdamW's two moments (16 B each, as ``node.model.loading.weight_dtype`` loads them); and the
     activations autograd keeps per in-flight microbatch of ``frame_tokens`` padded tokens (~34·h bytes per
     token per layer in 16-bit, doubled in fp32; Korthikanti et al. 2022),
-    plus the tail's logits.
+    plus the tail's logits. With ``recompute`` (activation checkpointing) a layer keeps only its
+    input per microbatch (h values per token) and one layer's activations are live at a time.
 
     Host: with ``outer`` (DiLoCo rounds with a replica to average with) the outer model, the
     pseudo-gradient and the momentum in fp32 shared memory plus PowerSGD's error feedback, 16 B per
@@ -74,7 +76,11 @@ def stage_memory_bytes(
     base = weight_bytes if base_bytes is None else base_bytes
     act_bytes = 2 if device.type == "cuda" else 4
     tokens = frame_tokens * max_inflight
-    activations = n_layers * tokens * 34 * hidden * act_bytes // 2
+    per_layer = 34 * hidden * act_bytes // 2  # bytes per token autograd keeps in one layer
+    if recompute:
+        activations = n_layers * tokens * hidden * act_bytes + (tokens * per_layer if n_layers else 0)
+    else:
+        activations = n_layers * tokens * per_layer
     if vocab:
         activations += tokens * vocab * 4 * 2  # fp32 logits and their gradient
     states = frozen * base + trainable * 4 * weight_bytes

@@ -84,6 +84,9 @@ class Stage(nn.Module):
         self.embed_tokens = inner.embed_tokens if is_head else None
         self.norm = inner.norm if is_tail else None
         self.lm_head = model.lm_head if is_tail else None
+        # activation checkpointing (--recompute-layers): keep each layer's input only and recompute
+        # the layer in backward, so activation memory stops growing 34x per layer
+        self.recompute = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Head: token ids (B, T) -> hidden; body: hidden -> hidden; tail: hidden -> logits."""
@@ -135,7 +138,13 @@ class Stage(nn.Module):
             for t in set(types)
         }
         for layer, kind in zip(self.layers, types):
-            hidden = layer(hidden, attention_mask=masks[kind], position_ids=pos, position_embeddings=cos_sin)
+            kw = dict(attention_mask=masks[kind], position_ids=pos, position_embeddings=cos_sin)
+            if self.recompute and torch.is_grad_enabled():
+                from torch.utils.checkpoint import checkpoint
+
+                hidden = checkpoint(layer, hidden, use_reentrant=False, **kw)
+            else:
+                hidden = layer(hidden, **kw)
             if isinstance(hidden, tuple):  # older transformers returned tuples
                 hidden = hidden[0]
         return hidden
