@@ -379,6 +379,7 @@ def run_join(cfg: NodeConfig) -> int:
             runtime = StageRuntime(cfg, run, index, stage, dht, peer_id, data, device, outer=outer)
             runtime.stop_request = stop
             runtime.maddrs = maddrs
+            runtime.memory_estimate = mem[index]
             if resume_from is not None:
                 runtime.restore(resume_from)
                 log.info("resumed from %s at inner step %d", resume_from.path, runtime.inner_step)

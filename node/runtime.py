@@ -28,6 +28,7 @@ from node.dp.scape import ScapeSync
 from node.dp.strategies import AdamWStep, AnchorStep
 from node.dp.tied import TiedExchange, tied_parameter
 from node.lifecycle import Lifecycle
+from node.model.devices import process_memory
 from node.model.stages import Stage
 from node.stage.compute import Compute
 from node.stage.context import StageContext
@@ -69,6 +70,7 @@ class StageRuntime(Lifecycle):
         outer=None,
     ):
         self.cfg, self.run, self.index, self.stage = cfg, run, stage_index, stage
+        self.memory_estimate: dict | None = None  # node.model.devices.stage_memory_bytes, set by join
         emulated = getattr(stage.config, "emulate_gpu", None)
         if emulated:  # bench.harness: the GPU-side work of an emulated model becomes calibrated sleeps
             from bench.emulated import EmulatedCompute, emulate_links
@@ -210,5 +212,6 @@ class StageRuntime(Lifecycle):
             "compute_s": self.compute.seconds,
             "links": m.links_list(),
             "peers": {str(s): sorted(r) for s, r in enumerate(self.routes)},
+            "memory": {**process_memory(self.compute.device), "estimate": self.memory_estimate},
             "time": time.time(),
         }

@@ -25,12 +25,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from node.argv import config_from_args, config_to_argv
+from node.local.memory import PeakMemory
 from node.local.report import build_report, plot_eval, plot_link_rates, plot_loss
 from node.stage.links import LONG_FRAME_LAYOUT
 from node.swarm.membership import parent_death_signal
 
 READY_TIMEOUT_S = 300.0  # first start may convert the bundled model (~20-40 s on 2 cores)
 STOP_GRACE_S = 60.0
+MEMORY_EVERY_S = 5.0  # how often the nodes' memory (PSS of each process tree) is sampled
 MAX_RESTARTS = 3  # --restart-dead: a node that keeps dying is given up after this many restarts
 
 
@@ -253,6 +255,7 @@ def run_swarm(args) -> int:
     status = 0
     held = before = None
     rates: list[tuple[float, dict]] = []
+    memory = PeakMemory()
     try:
         if args.eval:
             held, before = prepare_eval(args, report)  # also points args.data at the training split
@@ -277,7 +280,7 @@ def run_swarm(args) -> int:
             procs.append(proc)
             stages.append(ready["stage"])
             print(f"  node {i} -> stage {ready['stage']} (anchor)", flush=True)
-        status = watch(args, report, procs, stages, run_id, t_start, rates)
+        status = watch(args, report, procs, stages, run_id, t_start, rates, memory)
     except KeyboardInterrupt:
         print("interrupted; stopping the swarm", flush=True)
         status = 130
@@ -300,6 +303,7 @@ def run_swarm(args) -> int:
     if status == 0 and (args.eval or args.export):
         rep["eval"], model_line = finish_model(args, report, run_id, held, before)
     rep["link_rates"] = rates
+    rep["memory"] = memory.as_dict()
     plot_link_rates(rates, report / "links.png")
     if rep.get("eval"):
         plot_eval(rep["eval"], report / "eval.png")
@@ -315,6 +319,12 @@ def run_swarm(args) -> int:
         flush=True,
     )
     print(outer_line(rep.get("outer") or {}), flush=True)
+    if memory.total:
+        print(
+            f"memory: the {len(procs)} nodes held {memory.total / 1e9:.1f} GB together at their peak "
+            f"(PSS; largest node {max(memory.per_node.values()) / 1e9:.1f} GB)",
+            flush=True,
+        )
     if model_line:  # the held-out line last: what a demo user looks for
         print(model_line, flush=True)
     return status
@@ -496,8 +506,10 @@ def watch(
     run_id: str,
     t_start: float,
     rates: list | None = None,
+    memory: PeakMemory | None = None,
 ) -> int:
-    """Live view until the tail reaches ``args.steps``; appends (time, link bytes) samples to ``rates``."""
+    """Live view until the tail reaches ``args.steps``; appends (time, link bytes) samples to ``rates``
+    and samples the nodes' memory into ``memory``."""
     t0 = time.monotonic()
     interactive = sys.stdout.isatty()
     live = None
@@ -506,10 +518,13 @@ def watch(
 
         live = Live(refresh_per_second=2)
         live.start()
-    last_print = 0.0
+    last_print = last_memory = 0.0
     restarts: dict[int, int] = {}  # node -> restarts so far; -1 once given up
     try:
         while True:
+            if memory is not None and time.monotonic() - last_memory >= MEMORY_EVERY_S:
+                memory.sample([p.pid if p.poll() is None else None for p in procs])
+                last_memory = time.monotonic()
             metrics = read_metrics(report, len(procs))
             done = tail_steps(metrics, args.stages)
             if rates is not None and metrics and (not rates or time.monotonic() - t0 - rates[-1][0] >= 2.0):

@@ -103,3 +103,23 @@ def describe_memory(mem: dict[str, int]) -> str:
         f"activations {mem['activations'] / GIB:.1f} GiB) + ~{mem['host'] / GIB:.1f} GiB on the host "
         "(outer state, checkpoint copy)"
     )
+
+
+_STATUS_KEYS = {"VmHWM": "peak_rss", "VmRSS": "rss", "RssShmem": "shmem"}
+
+
+def process_memory(device: torch.device | None = None) -> dict[str, int]:
+    """This process's resident memory (peak, now, shared) in bytes from /proc (Linux; {} elsewhere)
+    and, on CUDA, the device's peak allocation: what the estimate is checked against."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in _STATUS_KEYS:
+                    out[_STATUS_KEYS[key]] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    if device is not None and device.type == "cuda":
+        out["device_peak"] = int(torch.cuda.max_memory_allocated(device))
+    return out
