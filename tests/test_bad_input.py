@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -133,8 +135,9 @@ def _run(case, root: Path) -> dict:
     d = root / cid
     d.mkdir()
     _files(d)
-    tmp = d / "tmp"
-    tmp.mkdir()
+    # short: p2pd's unix socket paths must fit in 108 bytes, so a node that did start would really
+    # start (and be caught by the checks below) rather than fail on a long pytest path
+    tmp = Path(tempfile.mkdtemp(prefix="bi-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "NODE_STATE_DIR", "PYTHONPATH"))}
     env.update(
         PYTHONPATH=str(REPO),  # the code under test, whatever the working directory
@@ -147,31 +150,37 @@ def _run(case, root: Path) -> dict:
         **env_extra,
     )
     t0 = time.monotonic()
-    p = subprocess.Popen(
-        [sys.executable, "-m", "node", *argv],
-        cwd=d,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = p.communicate(timeout=CASE_LIMIT_S * 2)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, 9)
-        out, err = p.communicate()
+    # output to files, not pipes: a child left behind holds inherited pipes open, and waiting for
+    # their end would wait for it to exit, hiding it from the check below
+    with open(d / "stdout", "w") as out_f, open(d / "stderr", "w") as err_f:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "node", *argv],
+            cwd=d,
+            env=env,
+            stdout=out_f,
+            stderr=err_f,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            p.wait(timeout=CASE_LIMIT_S * 2)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 9)
+            p.wait()
+    out, err = (d / "stdout").read_text(), (d / "stderr").read_text()
     elapsed = time.monotonic() - t0
     left = _session_procs(p.pid)
     if left:
         os.killpg(p.pid, 9)  # do not leave them for the next test either
+    leftovers = sorted(x.name for x in tmp.iterdir())
+    shutil.rmtree(tmp, ignore_errors=True)
     return {
         "rc": p.returncode,
         "out": out,
         "err": err,
         "elapsed": elapsed,
         "left": left,
-        "tmp": sorted(x.name for x in tmp.iterdir()),
+        "tmp": leftovers,
         "report": (d / "runs").exists(),
     }
 
