@@ -1,15 +1,23 @@
 """NodeConfig <-> command line, both ways from the fields' metadata (node/config.py).
 
-``add_config_args`` builds the ``join`` flags (help, choices, defaults) from the fields, so a
-field cannot lack its flag or disagree with it; ``config_to_argv`` writes a config back as those
-flags (``swarm``, bench/harness.py and bench/chaos.py start nodes with it).
+``add_config_args`` builds the ``join`` flags (help, choices, defaults, ranges) from the fields,
+so a field cannot lack its flag or disagree with it; ``config_to_argv`` writes a config back as
+those flags (``swarm``, bench/harness.py and bench/chaos.py start nodes with it).
+
+Every flag's value is checked as it is parsed, in one place: ``field_type`` turns a field's
+metadata (``node.config.opt``: min/max/above/below, parse) into argparse's ``type``, and
+``bounded`` is the same check for a subcommand's own flags (node/cli.py); ``OneLineParser``
+reports a refused flag in one line (``FlagError``: ``error: --heartbeat must be >= 0.1, got 0``,
+exit code 2) instead of argparse's usage block, before anything is started.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import MISSING, Field, fields
 
 from node.config import NET, NODE, RUN, NodeConfig
@@ -20,6 +28,99 @@ GROUP_TITLES = {
     NODE: "this node",
 }
 _HINTS = typing.get_type_hints(NodeConfig)
+
+
+class FlagError(ValueError):
+    """A flag, or a combination of run flags, that cannot work; the message is one line saying why."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with a refused command line raised as one-line ``FlagError`` (node.cli.main prints
+    it and exits 2) instead of a usage block on stderr and ``SystemExit``."""
+
+    def error(self, message: str):
+        # argparse says "argument --x/-y: reason"; ours is "--x reason" (our reasons start with "must")
+        m = re.match(r"argument ([^:/ ]+)(?:/\S+)?: (.*)", message)
+        if m:
+            flag, why = m.groups()
+            message = f"{flag} {why}" if why.startswith("must") else f"{flag}: {why}"
+        raise FlagError(f"{message} (see {self.prog} --help)")
+
+
+def range_text(lo=None, hi=None, above=None, below=None) -> str:
+    """``>= 0``, ``> 0``, ``in (0, 1]``: a range as a refusal names it."""
+    g = "{:g}".format
+    left = f"[{g(lo)}" if lo is not None else f"({g(above)}" if above is not None else None
+    right = f"{g(hi)}]" if hi is not None else f"{g(below)})" if below is not None else None
+    if left and right:
+        return f"lie in {left}, {right}"
+    if left:
+        return f"be {'>=' if lo is not None else '>'} {left[1:]}"
+    if right:
+        return f"be {'<=' if hi is not None else '<'} {right[:-1]}"
+    return ""
+
+
+def bounded(
+    kind: type = int,
+    *,
+    min: float | None = None,
+    max: float | None = None,
+    above: float | None = None,
+    below: float | None = None,
+) -> Callable[[str], int | float]:
+    """argparse ``type``: a number of ``kind`` within the range, else a reason naming the range."""
+    rng = range_text(min, max, above, below)
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be {'a whole number' if kind is int else 'a number'}, got {text!r}"
+            ) from None
+        if isinstance(v, float) and not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if (
+            (min is not None and v < min)
+            or (max is not None and v > max)
+            or (above is not None and v <= above)
+            or (below is not None and v >= below)
+        ):
+            raise argparse.ArgumentTypeError(f"must {rng}, got {text}")
+        return v
+
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
+
+
+def _checked(fn: Callable[[str], typing.Any]) -> Callable[[str], typing.Any]:
+    """A field's ``parse`` function as argparse's ``type``: its ValueError becomes the reason."""
+
+    def parse(text: str):
+        try:
+            return fn(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
+
+
+def field_type(f: Field):
+    """What argparse converts and checks one field's flag with (lists and bools: their items, none)."""
+    m, kind = f.metadata, _HINTS[f.name]
+    if m["parse"] is not None:
+        return _checked(m["parse"])
+    if kind in (int, float):
+        limits = {k: m[k] for k in ("min", "max", "above", "below")}
+        return bounded(kind, **limits) if any(v is not None for v in limits.values()) else kind
+    return str
+
+
+def flag_type(name: str):
+    """``field_type`` of the NodeConfig field ``name``: a subcommand's copy of a join flag (``swarm
+    --max-inflight``) accepts what join accepts."""
+    return field_type({f.name: f for f in fields(NodeConfig)}[name])
 
 
 def flag_of(f: Field) -> str:
@@ -49,7 +150,7 @@ def add_config_args(p: argparse.ArgumentParser, group: str) -> None:
         else:
             # a factory's default (state dir) or a resolved field stays None: the config fills it in
             unset = f.default is MISSING or m["resolved"]
-            kw.update(type=kind if kind in (int, float) else str, default=None if unset else default)
+            kw.update(type=field_type(f), default=None if unset else default)
             if m["choices"]:
                 kw["choices"] = list(m["choices"])
         g.add_argument(flag_of(f), **kw)

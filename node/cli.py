@@ -1,6 +1,9 @@
 """Command line: join, swarm, status, health, prepare-model.
 
 ``join``'s flags, and ``swarm``'s run settings, are built from NodeConfig's fields (node/argv.py).
+Every flag is checked as it is parsed (a range or choices: the field's metadata in node/config.py,
+or ``bounded(...)`` for a subcommand's own flag here); combinations in ``check_run_flags``; each
+refusal is one line and exit code 2.
 """
 
 from __future__ import annotations
@@ -10,18 +13,15 @@ import logging
 import sys
 from dataclasses import fields
 
-from node.argv import add_config_args, config_from_args
+from node.argv import FlagError, OneLineParser, add_config_args, bounded, config_from_args, flag_type
 from node.config import NET, NODE, RUN, NodeConfig
 
 _CFG_DEFAULTS = {f.name: f.default for f in fields(NodeConfig) if not callable(f.default_factory)}
 
 
-class FlagError(ValueError):
-    """A combination of run flags that cannot work; the message is one line saying why."""
-
-
 def check_run_flags(a: argparse.Namespace) -> None:
-    """Refuse, in one line, run settings that contradict each other (join and swarm alike)."""
+    """Refuse, in one line, run settings that contradict each other (join and swarm alike); each
+    flag's own range was checked as it was parsed (node.argv.field_type)."""
     if a.codec == "subspace" and a.mode != "pretrain":
         raise FlagError(
             "--codec subspace needs --mode pretrain: it is exact only for a model built with the "
@@ -31,14 +31,8 @@ def check_run_flags(a: argparse.Namespace) -> None:
         raise FlagError("--codec subspace needs --subspace-rank K (numbers per token, 1 <= K < hidden)")
     if a.subspace_rank and a.codec != "subspace":
         raise FlagError("--subspace-rank only applies to --codec subspace")
-    if not 0.0 < a.density <= 1.0:
-        raise FlagError(f"--density must lie in (0, 1], got {a.density}")
     if a.dp == "scape" and a.outer_every:
         raise FlagError("--dp scape syncs every inner step; it does not combine with --outer-every")
-    if a.dp_timeout <= 0:
-        raise FlagError("--dp-timeout must be > 0")
-    if a.lowrank_k_backward < 0:
-        raise FlagError(f"--lowrank-k-backward must be >= 0 (0: --codec-k), got {a.lowrank_k_backward}")
     if a.lowrank_tiers:
         from node.stage.links import parse_tiers
 
@@ -57,8 +51,6 @@ def check_run_flags(a: argparse.Namespace) -> None:
         if a.mode == "pretrain":
             raise FlagError("--finetune lora adapts a pretrained model; --mode pretrain trains one from "
                             "scratch: use --finetune full")  # fmt: skip
-    if a.codec_k < 0:
-        raise FlagError(f"--codec-k must be >= 0 (0: the codec's own k), got {a.codec_k}")
     if a.microbatch_tokens and not a.seq_len <= a.microbatch_tokens <= 2**20:
         raise FlagError(
             f"--microbatch-tokens {a.microbatch_tokens} must be 0 or at least --seq-len ({a.seq_len}): "
@@ -67,7 +59,7 @@ def check_run_flags(a: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m node",
         description="Volunteer training node: join a swarm "
         "that trains a language model pipeline-parallel over libp2p.",
@@ -80,22 +72,33 @@ def build_parser() -> argparse.ArgumentParser:
         add_config_args(j, group)
 
     s = sub.add_parser("swarm", help="run a local swarm of N node processes on loopback and write a report")
-    s.add_argument("--nodes", type=int, default=3, help="fast node processes (default: %(default)s)")
+    s.add_argument(
+        "--nodes", type=bounded(int, min=1), default=3, help="fast node processes (default: %(default)s)"
+    )
     s.add_argument(
         "--anchors",
-        type=int,
+        type=bounded(int, min=0),
         default=0,
         help="anchor nodes per stage, started after the fast nodes (default: %(default)s)",
     )
     s.add_argument(
-        "--steps", type=int, default=30, help="inner steps of the tail stage to train (default: %(default)s)"
+        "--steps",
+        type=bounded(int, min=1),
+        default=30,
+        help="inner steps of the tail stage to train (default: %(default)s)",
     )
     s.add_argument("--report", default="runs/swarm", help="report directory (default: %(default)s)")
     s.add_argument(
-        "--timeout", type=float, default=1800, help="give up after this many seconds (default: %(default)s)"
+        "--timeout",
+        type=bounded(float, above=0),
+        default=1800,
+        help="give up after this many seconds (default: %(default)s)",
     )
     s.add_argument(
-        "--threads-per-node", type=int, default=1, help="torch threads per node (default: %(default)s)"
+        "--threads-per-node",
+        type=bounded(int, min=0),
+        default=1,
+        help="torch threads per node (default: %(default)s)",
     )
     add_config_args(s, RUN)
     s.add_argument("--data", default=_CFG_DEFAULTS["data"], help="training data for the head stage(s)")
@@ -107,13 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--max-inflight",
-        type=int,
+        type=flag_type("max_inflight"),
         default=_CFG_DEFAULTS["max_inflight"],
         help="microbatches a head keeps in the pipeline at once (default: %(default)s)",
     )
     s.add_argument(
         "--hop-timeout",
-        type=float,
+        type=flag_type("hop_timeout"),
         default=_CFG_DEFAULTS["hop_timeout"],
         help="seconds for one hop's compute and reply, times the hops ahead (default: %(default)s)",
     )
@@ -138,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--run-id", default="default", help="which run to show (default: %(default)s)")
     st.add_argument(
         "--join-timeout",
-        type=float,
+        type=flag_type("join_timeout"),
         default=_CFG_DEFAULTS["join_timeout"],
         help="seconds to reach the peers and read the run (default: %(default)s)",
     )
@@ -186,9 +189,14 @@ def add_model_out_commands(sub) -> None:
         help="the run's base model (bundled, tiny[:L[:H]] or a directory); default: from the run record "
         "(--peers) or bundled (--checkpoints)",
     )
-    e.add_argument("--seed", type=int, default=0, help="--checkpoints of a tiny model: its run seed")
     e.add_argument(
-        "--timeout", type=float, default=60.0, help="seconds per network wait (default: %(default)s)"
+        "--seed", type=flag_type("seed"), default=0, help="--checkpoints of a tiny model: its run seed"
+    )
+    e.add_argument(
+        "--timeout",
+        type=bounded(float, above=0),
+        default=60.0,
+        help="seconds per network wait (default: %(default)s)",
     )
     e.add_argument("--force", action="store_true", help="replace --out if it exists")
     for name, helptext in (
@@ -203,11 +211,19 @@ def add_model_out_commands(sub) -> None:
             g.add_argument(
                 "--data", required=True, help="arithmetic, or a .jsonl of {prompt, completion}/{text}"
             )
-            g.add_argument("--limit", type=int, default=0, help="score the first N examples only; 0 = all")
+            g.add_argument(
+                "--limit",
+                type=bounded(int, min=0),
+                default=0,
+                help="score the first N examples only; 0 = all",
+            )
         else:
             g.add_argument("--prompt", required=True, help="the text to continue")
         g.add_argument(
-            "--max-new-tokens", type=int, default=32, help="generation budget (default: %(default)s)"
+            "--max-new-tokens",
+            type=bounded(int, min=1),
+            default=32,
+            help="generation budget (default: %(default)s)",
         )
         g.add_argument(
             "--device",
@@ -215,13 +231,18 @@ def add_model_out_commands(sub) -> None:
             choices=["auto", "cuda", "cpu"],
             help="where the model runs; auto = cuda if present (default: %(default)s)",
         )
-        g.add_argument("--seed", type=int, default=0, help="built-in data / tiny models: seed (default: 0)")
+        g.add_argument(
+            "--seed",
+            type=bounded(int, min=0),
+            default=0,
+            help="built-in data / tiny models: seed (default: 0)",
+        )
 
 
 def add_swarm_model_out_args(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--eval",
-        type=int,
+        type=bounded(int, min=0),
         default=0,
         metavar="N",
         help="hold out N problems of --data (never trained on), score them before training and after "
@@ -288,7 +309,8 @@ def resolve_defaults(args: argparse.Namespace) -> None:
     if args.microbatch_tokens is None:  # by the device: only the run's first node's counts
         from node.model.devices import default_microbatch_tokens, pick_device
 
-        args.microbatch_tokens = default_microbatch_tokens(pick_device(args.device))
+        # quiet: the node warns once about --device cuda without CUDA, when it picks its device
+        args.microbatch_tokens = default_microbatch_tokens(pick_device(args.device, quiet=True))
     from node.stage.links import lowrank_layout
 
     for name, value in lowrank_layout(args.microbatch_tokens).items():  # by the frames it sends
@@ -297,7 +319,11 @@ def resolve_defaults(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except FlagError as e:  # a flag refused as it was parsed: nothing has started
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(message)s",

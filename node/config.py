@@ -39,29 +39,60 @@ def opt(
     append: bool = False,
     run: str | None = None,
     resolved: bool = False,
+    min: float | None = None,
+    max: float | None = None,
+    above: float | None = None,
+    below: float | None = None,
+    parse: Any = None,
 ):
     """A NodeConfig field with its flag: ``flag`` defaults to --field-name; ``append``: repeatable;
     ``run``: the run record field it fills (see ``run_opt``); ``resolved``: left None on the command
-    line and resolved after parsing (see node.cli.main)."""
+    line and resolved after parsing (see node.cli.main).
+
+    What the flag accepts is declared here and checked when the command line is parsed, before
+    anything starts (node.argv.field_type: one line naming the flag, exit code 2): ``choices``;
+    a number's range, ``min``/``max`` (inclusive) and ``above``/``below`` (exclusive); or
+    ``parse``, a function from the flag's text to its value that raises ValueError saying what
+    it expects (``stage_spec``)."""
     meta = {"help": help, "group": group, "flag": flag, "choices": choices, "append": append}
+    limits = {"min": min, "max": max, "above": above, "below": below, "parse": parse}
     return field(
-        default=default, default_factory=factory, metadata={**meta, "run": run, "resolved": resolved}
+        default=default,
+        default_factory=factory,
+        metadata={**meta, **limits, "run": run, "resolved": resolved},
     )
+
+
+def stage_spec(text: str) -> str:
+    """``--stage``: 'auto' or a stage index, refused at parse time rather than after p2pd starts."""
+    if text == "auto" or (text.isdigit() and text.isascii()):
+        return text if text == "auto" else str(int(text))
+    raise ValueError(f"must be auto or a stage index (0, 1, ...), got {text!r}")
 
 
 _RECORD_DEFAULTS = {f.name: f.default for f in fields(RunRecord) if f.default is not MISSING}
 
 
-def run_opt(path: str, *, help: str, group: str = RUN, resolved: bool = False, choices: tuple | None = None):
+def run_opt(
+    path: str,
+    *,
+    help: str,
+    group: str = RUN,
+    resolved: bool = False,
+    choices: tuple | None = None,
+    **limits: float,
+):
     """A field of the run record (``"seed"``) or of one of its parts (``"outer.every"``): the
-    default, and a part's choices, are the record's."""
+    default, and a part's choices and range (``protocol.settings._f``), are the record's;
+    ``limits`` (min, max, above, below) give a top-level record field's range."""
     part, _, name = path.rpartition(".")
     if part:
         f = {f.name: f for f in fields(PARTS[part])}[name]
         default, choices = f.default, choices or f.metadata["choices"] or None
+        limits = {k: f.metadata[k] for k in ("min", "max", "above")} | limits
     else:
         default = _RECORD_DEFAULTS[name]
-    return opt(default, help=help, group=group, choices=choices, run=path, resolved=resolved)
+    return opt(default, help=help, group=group, choices=choices, run=path, resolved=resolved, **limits)
 
 
 @dataclass
@@ -80,7 +111,7 @@ class NodeConfig:
         group=NET,
     )  # with --peers: start run_id on that DHT (refused if the run exists)
     stage: str = opt(
-        "auto", help="'auto' claims the least-served stage, or a stage index", group=NET
+        "auto", help="'auto' claims the least-served stage, or a stage index", parse=stage_spec, group=NET
     )  # auto | stage index
     circuit: str = opt(
         "fast",
@@ -94,7 +125,9 @@ class NodeConfig:
         help="listen address; 0.0.0.0 to accept peers from other machines (default: %(default)s)",
         group=NET,
     )
-    port: int = opt(0, help="listen TCP port; 0 picks a free one (default: %(default)s)", group=NET)
+    port: int = opt(
+        0, help="listen TCP port; 0 picks a free one (default: %(default)s)", min=0, max=65535, group=NET
+    )
     announce_maddrs: list[str] = opt(
         factory=list,
         help="address others should dial, e.g. /ip4/PUBLIC_IP/tcp/PORT (repeatable)",
@@ -126,14 +159,18 @@ class NodeConfig:
         False, help="look for relays automatically and announce relayed addresses (behind NAT)", group=NET
     )
     p2pd_timeout: float = opt(
-        15.0, help="seconds to wait for the p2p daemon to start (default: %(default)s)", group=NET
+        15.0, help="seconds to wait for the p2p daemon to start (default: %(default)s)", above=0, group=NET
     )  # p2pd start-up; the most common failure of hivemind swarms
     join_timeout: float = opt(
-        30.0, help="seconds to reach the bootstrap peers and read the run (default: %(default)s)", group=NET
+        30.0,
+        help="seconds to reach the bootstrap peers and read the run (default: %(default)s)",
+        above=0,
+        group=NET,
     )  # reaching the bootstrap peers and reading the run record
     hop_timeout: float = opt(
         30.0,
         help="seconds one pipeline hop may take before it is retried elsewhere (default: %(default)s)",
+        above=0,
         group=NODE,
     )  # one hop's compute + reply, multiplied by the hops still ahead
     model: str = opt(
@@ -143,7 +180,7 @@ class NodeConfig:
         "the same --model (the join command the first node prints carries it) (default: %(default)s)",
         group=RUN,
     )
-    stages: int = opt(2, help="pipeline stages of a new run (default: %(default)s)", group=RUN)
+    stages: int = opt(2, help="pipeline stages of a new run (default: %(default)s)", min=1, max=64, group=RUN)
     codec: str = opt(
         "lowrank",
         help="pipeline-link codec; 'subspace' needs --mode pretrain and --subspace-rank (default: "
@@ -158,7 +195,11 @@ class NodeConfig:
         group=RUN,
     )
     mask_rate: float = opt(
-        0.95, help="mask codec: share of hidden channels dropped per token (default: %(default)s)", group=RUN
+        0.95,
+        help="mask codec: share of hidden channels dropped per token (default: %(default)s)",
+        min=0,
+        below=1,
+        group=RUN,
     )
     mask_rescale: bool = opt(
         False, help="mask codec: scale kept channels by 1/(1-rate) (unbiased; off as in the paper)", group=RUN
@@ -167,6 +208,7 @@ class NodeConfig:
         0,
         help="pca/lowrank/topk/bottleneck: coefficients or channels per token; 0 = the codec's own "
         "(lowrank 80, pca/topk/bottleneck 96) (default: %(default)s)",
+        min=0,
         group=RUN,
     )  # 0: node.stage.links.DEFAULT_K for the codec
     pca_dtype: str = opt(
@@ -186,6 +228,7 @@ class NodeConfig:
         0,
         help="lowrank codec: directions of the backward (gradient) frames; 0 = the forward's k "
         "(default: %(default)s)",
+        min=0,
         group=RUN,
     )  # lowrank: the gradient's own k (its spectrum is flatter than the activations')
     lowrank_backward_bits: int = opt(
@@ -229,11 +272,15 @@ class NodeConfig:
         group=RUN,
     )  # lowrank: where the forward's basis spends its directions
     calibration_tokens: int = opt(
-        2048, help="tokens the run's starter uses to fit a basis codec (default: %(default)s)", group=RUN
+        2048,
+        help="tokens the run's starter uses to fit a basis codec (default: %(default)s)",
+        min=1,
+        group=RUN,
     )  # tokens the run's starter uses to fit a basis codec
     dense_every: int = run_opt(
         "dense_every",
         help="send every K-th step uncompressed (periodic clean step); 0 = never (default: %(default)s)",
+        min=0,
         group=RUN,
     )
     outer_every: int = run_opt(
@@ -300,6 +347,7 @@ class NodeConfig:
         0,
         help="--codec subspace: k, the numbers per token each boundary carries (Subspace Networks; the "
         "model is built with the constraint) (default: %(default)s)",
+        min=0,
         group=RUN,
     )  # --codec subspace: k numbers per token at every boundary (needs pretrain)
     dp: str = run_opt(
@@ -352,11 +400,17 @@ class NodeConfig:
         group=RUN,
     )
     seed: int = run_opt("seed", help="run seed: masks, init of tiny models (default: %(default)s)", group=RUN)
-    lr: float = run_opt("lr", help="inner AdamW learning rate (default: %(default)s)", group=RUN)
-    weight_decay: float = run_opt("weight_decay", help="AdamW weight decay (default: %(default)s)", group=RUN)
-    clip: float = run_opt("clip", help="gradient-norm clip (default: %(default)s)", group=RUN)
-    seq_len: int = run_opt("seq_len", help="max tokens per sequence (default: %(default)s)", group=RUN)
-    microbatch: int = run_opt("microbatch", help="sequences per microbatch (default: %(default)s)", group=RUN)
+    lr: float = run_opt("lr", help="inner AdamW learning rate (default: %(default)s)", min=0, group=RUN)
+    weight_decay: float = run_opt(
+        "weight_decay", help="AdamW weight decay (default: %(default)s)", min=0, group=RUN
+    )
+    clip: float = run_opt("clip", help="gradient-norm clip (default: %(default)s)", above=0, group=RUN)
+    seq_len: int = run_opt(
+        "seq_len", help="max tokens per sequence (default: %(default)s)", min=1, max=65536, group=RUN
+    )
+    microbatch: int = run_opt(
+        "microbatch", help="sequences per microbatch (default: %(default)s)", min=1, max=4096, group=RUN
+    )
     microbatch_tokens: int = run_opt(
         "microbatch_tokens",
         help="pack each microbatch by tokens: as many examples as fit in this many padded tokens, so "
@@ -364,11 +418,14 @@ class NodeConfig:
         "them; 0 = --microbatch examples each (default: 2048 when the run's first node has a GPU, "
         "0 on a CPU)",
         resolved=True,
+        min=0,
+        max=2**20,
         group=RUN,
     )  # resolved in node.cli.main: node.model.devices.default_microbatch_tokens
     batch_tokens: int = run_opt(
         "batch_tokens",
         help="tokens a node accumulates before each inner optimizer step (default: %(default)s)",
+        min=1,
         group=RUN,
     )
     data: str = opt(
@@ -390,12 +447,13 @@ class NodeConfig:
         choices=("auto", "fp32", "bf16"),
         group=NODE,
     )
-    threads: int = opt(0, help="torch CPU threads, 0 = torch default", group=NODE)
+    threads: int = opt(0, help="torch CPU threads, 0 = torch default", min=0, group=NODE)
     max_memory_gb: float = opt(
         0.0,
         help="GiB this node may use: it claims only a stage whose estimate fits, and refuses with a "
         "message when none does; 0 = no limit (default: %(default)s)",
         flag="--max-memory",
+        min=0,
         group=NODE,
     )
     max_host_memory_gb: float = opt(
@@ -404,6 +462,7 @@ class NodeConfig:
         "copies; on a CPU node the stage's own memory too): stages whose estimate exceeds it are "
         "not claimed; 0 = no limit (default: %(default)s)",
         flag="--max-host-memory",
+        min=0,
         group=NODE,
     )
     recompute_layers: bool = opt(
@@ -414,15 +473,19 @@ class NodeConfig:
         group=NODE,
     )
     max_inflight: int = opt(
-        4, help="cap on microbatches this node holds in flight (default: %(default)s)", group=NODE
+        4, help="cap on microbatches this node holds in flight (default: %(default)s)", min=1, group=NODE
     )
     wait_peers: int = opt(
         0,
         help="head only: wait until this many peers are ready before training (default: %(default)s)",
+        min=0,
         group=NODE,
     )  # head: start driving data once this many peers are ready (local swarms)
     max_steps: int = opt(
-        0, help="leave after this many inner steps; 0 = run until stopped (default: %(default)s)", group=NODE
+        0,
+        help="leave after this many inner steps; 0 = run until stopped (default: %(default)s)",
+        min=0,
+        group=NODE,
     )  # stop after this many inner steps (0 = run until stopped)
     state_dir: str = opt(
         factory=default_state_dir,
@@ -435,6 +498,7 @@ class NodeConfig:
         50,
         help="inner steps between atomic checkpoints in STATE_DIR/checkpoints (one is also written on "
         "SIGTERM/Ctrl-C); 0 = never (default: %(default)s)",
+        min=0,
         group=NODE,
     )  # inner steps between checkpoints (and one at exit); 0 = never
     resume: bool = opt(
@@ -450,6 +514,7 @@ class NodeConfig:
         2.0,
         help="seconds between stage-record heartbeats (default: %(default)s)",
         flag="--heartbeat",
+        min=0.1,
         group=NODE,
     )
     rebalance: bool = opt(

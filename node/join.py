@@ -24,14 +24,15 @@ from node.config import NodeConfig, run_parts
 from node.dp.diloco import OuterSync
 from node.model.adapters import adapter_params, add_adapters, base_dtype, cast_base
 from node.model.checkpoint import newest_for_run
-from node.model.data import ByteTokenizer, as_plain_text, load_examples, microbatches
+from node.model.data import ByteTokenizer, DataError, as_plain_text, check_data, load_examples, microbatches
 from node.model.devices import GIB, describe_memory, pick_device, stage_memory_bytes
 from node.model.loading import (
+    ModelError,
     ModelSource,
+    check_model,
     combine_hashes,
     open_model,
     open_pretrain_model,
-    resolve_model_path,
 )
 from node.model.stages import default_stage_ranges
 from node.net.wire import Wire
@@ -58,7 +59,7 @@ from node.swarm.membership import (
     store_stage_record_sync,
 )
 from node.swarm.routing import choose_stage
-from protocol.auth import key_id, load_swarm_key
+from protocol.auth import SwarmKeyError, key_id, load_swarm_key
 from protocol.records import RunRecord, StageRecord
 
 log = logging.getLogger("node")
@@ -252,7 +253,28 @@ def find_run(cfg: NodeConfig, dht, stop: StopRequest) -> RunRecord | None:
     return run
 
 
+def check_inputs(cfg: NodeConfig) -> None:
+    """What the flags name, checked before any daemon, socket or model load: the stage of a new run,
+    the model (a Hub id is fetched here; a partial snapshot refused), the data file, the swarm key.
+    Each failure is one line (JoinError, ModelError, DataError, SwarmKeyError)."""
+    if not cfg.peers and cfg.stage != "auto" and int(cfg.stage) >= cfg.stages:
+        raise JoinError(
+            f"--stage {cfg.stage} does not exist: a new run of --stages {cfg.stages} has stages "
+            f"0..{cfg.stages - 1}"
+        )
+    # a joiner learns the run's mode from its record: a pretrain run needs only a config.json
+    check_model(cfg.model, cfg.mode if not cfg.peers or cfg.new_run else None)
+    check_data(cfg.data)  # any node may come to serve the head (--stage auto, a move)
+    if cfg.swarm_key:
+        load_swarm_key(cfg.swarm_key)
+
+
 def run_join(cfg: NodeConfig) -> int:
+    try:
+        check_inputs(cfg)
+    except (JoinError, ModelError, DataError, SwarmKeyError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     # Until the event loop takes over signals, SIGTERM / Ctrl-C unwind through the cleanup below
     # (DHT process, p2pd, socket dir) at the next phase boundary (node/stop_signal.py says why
     # not where the signal lands) instead of killing the process where it stands.
@@ -261,11 +283,10 @@ def run_join(cfg: NodeConfig) -> int:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = pick_device(cfg.device)
-    key = load_swarm_key(cfg.swarm_key) if cfg.swarm_key else None  # fails in one line before anything starts
+    key = load_swarm_key(cfg.swarm_key) if cfg.swarm_key else None  # checked above
     sockdir = socket_dir(cfg.run_id)
     dht = outer = None
     try:
-        resolve_model_path(cfg.model)  # a Hub download, or its offline error, before any daemon starts
         log.info("starting p2pd and the DHT%s", f" (bootstrap: {' '.join(cfg.peers)})" if cfg.peers else "")
         dht = start_dht(cfg)
         stop.check()
@@ -422,7 +443,7 @@ def run_join(cfg: NodeConfig) -> int:
             asyncio.run(main())
         log.info("stopped after %d inner steps", runtime.inner_step)
         return 0
-    except (JoinError, BasisUnavailable) as e:
+    except (JoinError, BasisUnavailable, ModelError, DataError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:

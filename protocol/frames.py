@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import msgpack
 import torch
 
-PROTOCOL_VERSION = 1
+from protocol.version import PROTOCOL_VERSION
+
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # a 32 x 2048 x 2048 fp32 activation is 512 MiB; stay well below RAM
 MAX_TENSORS = 16
 MAX_DIMS = 4

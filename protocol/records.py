@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from protocol.frames import PROTOCOL_VERSION
 from protocol.settings import (
     PARTS,
     AnchorSettings,
@@ -18,6 +17,7 @@ from protocol.settings import (
     RecordError,
     parse_part,
 )
+from protocol.version import PROTOCOL_VERSION
 
 HEARTBEAT_S = 2.0  # the default --heartbeat; every DHT lifetime below is a count of beats
 STAGE_RECORD_BEATS = 5  # expires after ~5 missed beats: a beat can queue behind MBs of frames

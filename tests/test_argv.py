@@ -58,8 +58,9 @@ def _other(f, value):
         return not value
     if kind is int:
         return value + 3
-    if kind is float:
-        return value * 2 + 0.5
+    if kind is float:  # within the field's declared range (node.config.opt: max, below)
+        capped = f.metadata["max"] is not None or f.metadata["below"] is not None
+        return (value / 2 if value else 0.25) if capped else value * 2 + 0.5
     if typing.get_origin(kind) is list:
         return ["/ip4/127.0.0.1/tcp/1", "/ip4/127.0.0.1/tcp/2"]
     return "1" if f.name == "stage" else f"x-{f.name}"

@@ -240,12 +240,33 @@ def _codec_settings(args) -> dict | None:
     return None if args.codec == "subspace" else codec_settings(config_from_args(args))
 
 
-def run_swarm(args) -> int:
-    signal.signal(signal.SIGTERM, _interrupt)  # same clean stop as Ctrl-C
+def check_inputs(args) -> None:
+    """What the flags name, checked before any node starts: otherwise a bad --data is found by the
+    head only after it claimed stage 0, and shows here as a node that died."""
+    from node.model.data import DataError, check_data
+    from node.model.loading import ModelError, check_model
+    from protocol.auth import SwarmKeyError, load_swarm_key
+
     if args.nodes < args.stages:
         raise SwarmError(
             f"--nodes {args.nodes} cannot serve --stages {args.stages}: need at least one node per stage"
         )
+    try:
+        check_model(args.model, args.mode)
+        check_data(args.data)
+        if args.swarm_key:
+            load_swarm_key(args.swarm_key)
+    except (ModelError, DataError, SwarmKeyError) as e:
+        raise SwarmError(str(e)) from None
+
+
+def run_swarm(args) -> int:
+    try:
+        check_inputs(args)
+    except SwarmError as e:  # nothing started, no report written
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    signal.signal(signal.SIGTERM, _interrupt)  # same clean stop as Ctrl-C
     report = Path(args.report)
     report.mkdir(parents=True, exist_ok=True)
     run_id = f"local-{uuid.uuid4().hex[:8]}"

@@ -91,18 +91,18 @@ def load_examples(source: str, seed: int = 0, n_builtin: int = 20000) -> list[Ex
         return [TASKS[source](rng) for _ in range(n_builtin)]
     path = Path(source)
     if not path.is_file():
-        raise DataError(
-            f"data file {source} not found; pass --data arithmetic, ordering or a .jsonl/.txt file"
-        )
+        what = "is a directory" if path.is_dir() else "not found"
+        raise DataError(f"--data {source}: {what}; pass arithmetic, ordering, stdlib or a .jsonl/.txt file")
+    text = read_text(path, source)
     if path.suffix == ".jsonl":
         out = []
-        for i, line in enumerate(path.read_text().splitlines(), 1):
+        for i, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
-                raise DataError(f"{source}:{i} is not JSON") from None
+                raise DataError(f"--data {source}:{i} is not JSON; one record per line") from None
             if isinstance(rec, dict) and isinstance(rec.get("text"), str):
                 out.append(Example(rec["text"], ""))
             elif (
@@ -112,12 +112,34 @@ def load_examples(source: str, seed: int = 0, n_builtin: int = 20000) -> list[Ex
             ):
                 out.append(Example(rec["prompt"], rec["completion"]))
             else:
-                raise DataError(f"{source}:{i} needs a 'text' or 'prompt'+'completion' string field")
+                raise DataError(f"--data {source}:{i} needs a 'text' or 'prompt'+'completion' string field")
     else:
-        out = [Example(p.strip(), "") for p in path.read_text().split("\n\n") if p.strip()]
+        out = [Example(p.strip(), "") for p in text.split("\n\n") if p.strip()]
     if not out:
-        raise DataError(f"{source} holds no examples")
+        raise DataError(f"--data {source} holds no examples")
     return out
+
+
+def read_text(path: Path, source: str) -> str:
+    """A data file's text; ``DataError`` naming the file, and the first bad byte, if not UTF-8."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"--data {source}: cannot read it ({e.strerror})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"--data {source} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+            "save it as UTF-8"
+        ) from None
+
+
+def check_data(source: str) -> None:
+    """Refuse a bad ``--data`` before anything starts (node.join, node.local.launcher): a file is
+    read and parsed whole (a node reads it again when it serves the head); built-ins are fine."""
+    if source not in TASKS and source != STDLIB:
+        load_examples(source)
 
 
 def stdlib_docstrings() -> bytes:

@@ -11,15 +11,22 @@ from node.model.loading import weight_dtype
 log = logging.getLogger("node")
 
 
-def pick_device(choice: str) -> torch.device:
-    """auto: CUDA when present, else CPU (with a message); cuda without CUDA falls back the same way."""
+def pick_device(choice: str, quiet: bool = False) -> torch.device:
+    """auto: CUDA when present, else CPU (with a message); cuda without CUDA falls back the same way.
+
+    Every command picks its device here (join, swarm's nodes, eval, generate), so ``--device cuda``
+    on a machine without CUDA means the same everywhere: one warning line, then the CPU. Why a
+    fallback rather than a refusal: a volunteer's node is started from a fixed command line (a
+    compose file, a unit) that should not stop contributing because a driver went missing, and a
+    CPU node still serves a stage correctly, only slower; the warning says so at once. (eval used
+    to refuse while join fell back: the same flag meant two things.)"""
     if choice not in ("auto", "cuda", "cpu"):
         raise ValueError(f"--device must be auto, cuda or cpu, not {choice!r}")
     if choice == "cpu":
         return torch.device("cpu")
     if torch.cuda.is_available():
         return torch.device("cuda")
-    if choice == "cuda":
+    if choice == "cuda" and not quiet:
         log.warning("--device cuda: CUDA is not available on this machine; falling back to CPU")
     return torch.device("cpu")
 

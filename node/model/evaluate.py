@@ -50,11 +50,11 @@ def load_for_eval(spec: str, device: str = "cpu", seed: int = 0):
 
 
 def pick(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise EvalError("--device cuda: no CUDA device here; use --device cpu")
-    return torch.device(device)
+    """The device eval, generate and swarm's --eval run on: as a node picks its own
+    (``node.model.devices.pick_device``; --device cuda without CUDA falls back with a warning)."""
+    from node.model.devices import pick_device
+
+    return pick_device(device)
 
 
 def decode(tok, ids: list[int]) -> str:

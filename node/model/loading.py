@@ -199,13 +199,39 @@ HUB_PATTERNS = [
 ]
 
 
+def missing_files(path: Path) -> list[str]:
+    """What a checkpoint directory lacks to be served: its config, or weights (a shard the index
+    names, or any safetensors file without an index). Empty when complete; nothing is read but
+    the index."""
+    missing = [] if (path / "config.json").is_file() else ["config.json"]
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return [*missing, f"a readable {index.name}"]
+        # a snapshot's files are links into the cache's blobs: a link whose blob never arrived
+        # does not exist either
+        missing += [f for f in shards if not (path / f).is_file()]
+    elif not any(path.glob("*.safetensors")):
+        missing.append("*.safetensors weights")
+    return missing
+
+
 def hub_snapshot(repo_id: str) -> str:
-    """The local snapshot of Hub model ``repo_id``: the cached one, else downloaded into the HF cache."""
+    """The local snapshot of Hub model ``repo_id``: the cached one when complete, else downloaded
+    into the HF cache (which fetches what a partly cached snapshot lacks)."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
 
+    gap = ""
     try:
-        return snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=True)
+        path = snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=True)
+        lacks = missing_files(Path(path))
+        if not lacks:
+            return path
+        # an interrupted download leaves a snapshot the cache returns as if it were whole
+        gap = f" (the cached snapshot {path} is incomplete: it lacks {', '.join(lacks[:3])})"
     except LocalEntryNotFoundError:
         pass  # not cached yet
     fix = (
@@ -213,16 +239,17 @@ def hub_snapshot(repo_id: str) -> str:
         f"HF cache to {constants.HF_HUB_CACHE}, or pass a local checkpoint directory"
     )
     if constants.HF_HUB_OFFLINE:
-        raise ModelError(
-            f"--model {repo_id} is not in the Hugging Face cache and HF_HUB_OFFLINE is set; {fix}"
+        where = (
+            f"is only partly in the Hugging Face cache{gap}" if gap else "is not in the Hugging Face cache"
         )
+        raise ModelError(f"--model {repo_id} {where} and HF_HUB_OFFLINE is set; {fix}")
     print(
         f"downloading {repo_id} from the Hugging Face Hub (safetensors, config, tokenizer)...",
         file=sys.stderr,
         flush=True,
     )
     try:
-        return snapshot_download(repo_id, allow_patterns=HUB_PATTERNS)
+        path = snapshot_download(repo_id, allow_patterns=HUB_PATTERNS)
     except (RepositoryNotFoundError, GatedRepoError) as e:
         raise ModelError(
             f"--model {repo_id}: the Hub refused it ({type(e).__name__}); check the id, and for a gated "
@@ -230,16 +257,77 @@ def hub_snapshot(repo_id: str) -> str:
         ) from None
     except LocalEntryNotFoundError as e:  # what snapshot_download raises when the Hub cannot be reached
         cause = str(e).split("Got: ")[-1].splitlines()[0] if "Got: " in str(e) else "no connection"
-        raise ModelError(f"--model {repo_id}: cannot reach the Hugging Face Hub ({cause}); {fix}") from None
+        raise ModelError(
+            f"--model {repo_id}: cannot reach the Hugging Face Hub ({cause}){gap}; {fix}"
+        ) from None
+    lacks = missing_files(Path(path))
+    if lacks:
+        raise ModelError(
+            f"--model {repo_id}: the Hub snapshot lacks {', '.join(lacks[:3])}; it holds no "
+            "safetensors checkpoint this node can serve"
+        )
+    return path
+
+
+def _looks_like_path(model: str) -> bool:
+    """Whether ``--model`` names a local path rather than a Hub id: it is written as one (``./x``,
+    ``/x``, ``~/x``, ``x/``, more than one ``/``), or its first part is a directory here
+    (``models/mine`` next to a ``models/`` directory)."""
+    if model.startswith((".", "/", "~")) or model.endswith("/") or not _HUB_ID.match(model):
+        return True
+    return Path(model.split("/", 1)[0]).is_dir()
 
 
 def resolve_model_path(model: str) -> str:
-    """The checkpoint directory ``--model`` names: bundled, an existing path, or a Hub id (cached/fetched)."""
+    """The checkpoint directory ``--model`` names: bundled, an existing path, or a Hub id (cached/fetched).
+
+    A path that does not exist is refused, never taken for a Hub id (``_looks_like_path``)."""
     if model == BUNDLED:
         return str(prepare_bundled())
-    if not Path(model).exists() and _HUB_ID.match(model):
-        return hub_snapshot(model)
-    return model
+    if Path(model).exists():
+        return model
+    if _looks_like_path(model):
+        hint = (
+            f" ({model.split('/', 1)[0]}/ is a directory here, so this is a path; a Hub id of that "
+            "owner needs another working directory)"
+            if _HUB_ID.match(model) and not model.startswith((".", "/", "~"))
+            else ""
+        )
+        raise ModelError(
+            f"--model {model}: no such directory{hint}; pass an existing checkpoint directory, "
+            "bundled, tiny[:LAYERS[:HIDDEN]] or a Hub id (owner/name)"
+        )
+    return hub_snapshot(model)
+
+
+_TINY = re.compile(r"^tiny(:[1-9][0-9]*(:[1-9][0-9]*)?)?$")
+
+
+def check_model(model: str, mode: str | None = "finetune") -> None:
+    """Refuse a ``--model`` this node cannot serve before anything starts (node.join,
+    node.local.launcher), in one ``ModelError`` line: a malformed tiny spec, a missing or incomplete
+    directory, an uncached Hub id offline (a Hub id is fetched here, before any daemon starts).
+    ``mode`` None: not known yet (a joiner reads it from the run), so a config is enough."""
+    if model == "emulate" or model.startswith("emulate:") or (mode != "finetune" and model == SMALL):
+        return
+    if model == TINY or model.startswith("tiny:"):
+        if not _TINY.match(model):
+            raise ModelError(
+                f"--model {model}: expected tiny, tiny:LAYERS or tiny:LAYERS:HIDDEN (whole numbers)"
+            )
+        return
+    path = Path(resolve_model_path(model))
+    if not path.is_dir():
+        raise ModelError(f"--model {model}: {path} is not a directory; pass a checkpoint directory")
+    lacks = missing_files(path)
+    if mode != "finetune":  # --mode pretrain reads only its config.json
+        lacks = [f for f in lacks if f == "config.json"]
+    if lacks:
+        raise ModelError(
+            f"--model {model}: {'' if str(path) == model else f'{path} '}is not a complete checkpoint "
+            f"(it lacks {', '.join(lacks[:3])}); "
+            "pass a directory `save_pretrained` wrote, or download it again"
+        )
 
 
 def load_model(model: str, seed: int = 0):
