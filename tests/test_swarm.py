@@ -95,8 +95,11 @@ def test_replicas_average_by_default(swarm_report):
         assert len(counts) == 2 and counts[0] == counts[1] >= 1, (stage, counts, _rounds(rep))
     assert sum(c[0] for c in by_stage.values()) >= 3, (by_stage, _rounds(rep))
     assert outer["max_replica_distance"] is not None and outer["max_replica_distance"] <= 1e-6, outer
-    last = (out / "swarm.out").read_text().strip().splitlines()[-1]
-    assert "outer rounds" in last and "replica distance" in last and "replica distance -" not in last, last
+    lines = (out / "swarm.out").read_text().strip().splitlines()
+    outer_lines = [x for x in lines if "outer rounds" in x]
+    assert outer_lines, lines[-5:]
+    last = outer_lines[-1]
+    assert "replica distance" in last and "replica distance -" not in last, last
 
 
 def _rounds(rep: dict) -> list:
