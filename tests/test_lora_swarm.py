@@ -91,7 +91,8 @@ def test_export_merged_and_peft_adapter_agree(lora_swarm):
     ids = torch.randint(0, 500, (2, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = merged(input_ids=ids).logits
-        assert (loaded(input_ids=ids).logits - want).abs().max() <= 1e-5
+        # merged W + BA against W x + B(A x): fp32 rounding only, 1e-5 relative to the logits' scale
+        assert (loaded(input_ids=ids).logits - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item())
         assert (base(input_ids=ids).logits - want).abs().max() > 1e-3  # the adapters trained
 
 
