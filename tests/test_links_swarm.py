@@ -82,6 +82,8 @@ def _bpt(rep):
 DENSE_BPT = 2 * 640  # bf16, H = 640 (a dense swarm's measured bytes: tests/test_swarm.py)
 
 
+# slow: a masked swarm with an anchor (~100 s); the mask codec's bytes are in tests/test_mask.py
+@pytest.mark.slow
 def test_m95_sends_at_most_a_nineteenth_of_dense(mask_run):
     mask = _bpt(mask_run)
     assert set(mask) == {(0, "forward"), (0, "backward")}
@@ -114,6 +116,8 @@ def test_default_swarm_trains_and_counts_what_the_benchmark_counts(default_run):
         assert bpt * 10 <= DENSE_BPT  # >= 10x below dense bf16 per direction, every basis byte counted
 
 
+# slow: shares the masked swarm above
+@pytest.mark.slow
 def test_masked_swarm_with_anchors_trains_and_counts_anchor_bytes(mask_run):
     rep = mask_run
     loss = rep["loss"]

@@ -284,6 +284,8 @@ def test_a_node_serving_one_of_four_stages_peaks_below_half_the_fp32_model(tmp_p
     assert res["starter_hashing"]["peak"] - bare < 0.5 * full
 
 
+# slow (~55 s, real joins on a checkpoint); the stage hashes are unit-tested above
+@pytest.mark.slow
 def test_a_joiner_verifies_only_the_stage_it_serves(tmp_path):
     """Real `node join` processes on a checkpoint: a joiner whose copy differs in stage 1 may serve
     stage 0, is refused stage 1 in one line, and one whose config differs is refused outright."""

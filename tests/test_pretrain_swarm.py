@@ -83,6 +83,8 @@ def subspace_run(tmp_path_factory):
     )
 
 
+# slow (~45 s swarm); the subspace math and basis are unit-tested in tests/test_subspace.py
+@pytest.mark.slow
 def test_subspace_swarm_trains(subspace_run):
     loss = subspace_run["loss"]
     assert len(loss) >= 8

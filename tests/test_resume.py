@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from node.model.checkpoint import flatten_state, list_checkpoints, load_latest
@@ -43,6 +44,8 @@ def _metrics(tmp):
     return json.loads((tmp / "metrics.json").read_text())
 
 
+# slow (~95 s); a SIGKILL mid-save is covered file-level by tests/test_checkpoint.py
+@pytest.mark.slow
 def test_kill_during_checkpoint_write_then_resume(tmp_path):
     first = _join(tmp_path, "--max-steps", "6")
     assert first.returncode == 0, first.stderr[-2000:]

@@ -192,6 +192,8 @@ def test_scape_dp_bytes_follow_density(scape_run):
             assert r["values_bytes"] + r["mask_bytes"] < (DENSITY + 0.05) * dense[0]["values_bytes"]
 
 
+# slow (~70 s); SCAPE's swarm run stays in the default suite above
+@pytest.mark.slow
 def test_a_replica_joining_a_running_stage_is_reanchored(tmp_path):
     """A replica that joins after the stage has stepped pulls bf16 weights but not m and e; its
     first exchange re-anchors it on the running replica's state, and from then on both are

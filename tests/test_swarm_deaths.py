@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from node.local.launcher import read_metrics, tail_steps
 from tests.conftest import wait_for
 
@@ -47,6 +49,8 @@ def _kill_all(pids) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+# slow (~105 s); the launcher's teardown on death stays in the default suite below
+@pytest.mark.slow
 def test_dead_node_is_reported_and_restarted_and_the_run_goes_on(tmp_path):
     out = open(tmp_path / "swarm.log", "w")
     launcher = subprocess.Popen(

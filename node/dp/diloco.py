@@ -88,7 +88,7 @@ from compression.outer import GaslocOuter, OuterNesterov
 from compression.powersgd import DEFAULT_MIN_COMPRESS_NUMEL, PowerSGD, PowerSGDState, initial_q
 from node.net.pipes import tolerate_dead_senders
 from node.stop_signal import default_signals_in_child
-from node.swarm.membership import parent_death_signal
+from node.swarm.membership import leave_process_group, parent_death_signal
 
 log = logging.getLogger("node")
 
@@ -246,6 +246,7 @@ class _OuterAverager(DecentralizedAverager):
         if os.getppid() != self._node_pid:  # the node died before prctl took effect
             os._exit(0)
         default_signals_in_child()  # not the node's start-up handler, which only sets a flag
+        leave_process_group()  # a signal to the node's group is the node's to act on
         tolerate_dead_senders(self, "outer averager")  # see node/net/pipes.py
         super().run()
 
@@ -411,6 +412,31 @@ class _OuterAverager(DecentralizedAverager):
             await loop.run_in_executor(None, self._add_bytes, token, counter[0])
 
 
+def _await_helper(avg: DecentralizedAverager, timeout: float) -> None:
+    """Wait for the averager's forked helper to be ready, watching that it is still alive.
+
+    A Ctrl-C or ``kill -TERM -PGID`` reaches the whole process group: the helper dies of it while
+    this process only notes the request (node.stop_signal), and a plain wait would then sit out
+    its whole timeout. A helper killed by such a signal is the user's stop; any other death is an
+    error; a live helper that is not ready by ``timeout`` raises TimeoutError (forked anew).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            avg.wait_until_ready(timeout=0.5)
+            return
+        except TimeoutError:
+            code = avg.exitcode
+            if code is not None:
+                if -code in (signal.SIGINT, signal.SIGTERM):
+                    raise KeyboardInterrupt from None
+                raise RuntimeError(
+                    f"the outer averager's helper process died at start (exit code {code})"
+                ) from None
+            if time.monotonic() >= deadline:
+                raise
+
+
 class OuterSync:
     """DiLoCo / GASLoC outer rounds for one stage's parameters over hivemind gossip groups.
 
@@ -535,7 +561,8 @@ class OuterSync:
             for attempt in range(AVERAGER_START_ATTEMPTS):
                 self._avg = make()
                 try:
-                    self._avg.run_in_background(await_ready=True, timeout=60.0)
+                    self._avg.run_in_background(await_ready=False)
+                    _await_helper(self._avg, 60.0)
                     break
                 except TimeoutError:
                     # A child forked while another thread held one of hivemind's process-wide

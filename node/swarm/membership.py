@@ -75,6 +75,19 @@ def parent_death_signal(sig: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, sig)
 
 
+def leave_process_group() -> None:
+    """In a forked helper that dies with its node: out of the node's process group.
+
+    Ctrl-C in a terminal, ``kill -TERM -PGID`` and systemd's control-group stop signal the whole
+    group at once. The node only notes the first signal and stops at a safe point; a helper that
+    died of the same signal would leave the node waiting on it for ever (hivemind's DHT calls
+    have no liveness check). The node shuts its helpers down itself, and PR_SET_PDEATHSIG takes
+    them down if it dies; p2pd, started after this call, joins the helper's group.
+    """
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+
+
 def _die_with_parent(parent_pid: int) -> None:
     """In the DHT process: when the node process dies (even by SIGKILL), take p2pd down too.
 
@@ -93,6 +106,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     parent_death_signal(signal.SIGTERM)
+    leave_process_group()
     # The parent died before prctl took effect (we were re-parented). Compare with the node's
     # real PID, not 1: in a container the node itself is PID 1.
     if os.getppid() != parent_pid:
