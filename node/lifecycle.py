@@ -41,6 +41,8 @@ from node.swarm.membership import store_stage_record
 from node.swarm.rebalance import Rebalancer, choose_move, move_reason
 from node.swarm.routing import fast_peers_of_stage
 from node.swarm.weights import WEIGHTS_HANDLER, WeightServer, pull_weights
+from node.watch.dashboard import DashboardError, serve_in_node
+from node.watch.stream import METRICS_HANDLER, MetricsServer
 from protocol.records import STAGE_RECORD_BEATS, StageRecord
 
 log = logging.getLogger("node")
@@ -226,12 +228,16 @@ class Lifecycle:
             await handle_alive(info, reader, writer, wire=ctx.wire)
 
         await p2p.add_binary_stream_handler(ALIVE_HANDLER, alive)
+        metrics = MetricsServer(self.metrics_dict, ctx.wire, ctx.run.run_id, ctx.cfg.hop_timeout)
+        await p2p.add_binary_stream_handler(METRICS_HANDLER, metrics.handle)
         await p2p.add_binary_stream_handler(HANDLER, self.server.handle_stream)
         raise_accept_backlog(p2p)  # before the first burst of streams, not at the first stream served
         await self.publish()
         if self.move_allowed is not None:  # the dwell counts from now: a joiner first fills its stage
             self.rebalancer = Rebalancer(time.monotonic(), ctx.cfg.heartbeat_s)
         tasks = [asyncio.create_task(self.heartbeat_loop())]
+        if ctx.cfg.dashboard:
+            tasks.append(asyncio.create_task(self._dashboard()))
         if ctx.cfg.max_steps and ctx.inner_step >= ctx.cfg.max_steps:  # resumed at its last step
             log.info("already at --max-steps %d: nothing to train", ctx.cfg.max_steps)
             ctx.stop.set()
@@ -267,7 +273,7 @@ class Lifecycle:
         self.write_metrics()
         self.write_health(serving=False)
         # a node that moves registers its handlers again for the new stage, in this process
-        handlers = [HANDLER, ALIVE_HANDLER]
+        handlers = [HANDLER, ALIVE_HANDLER, METRICS_HANDLER]
         if self.move_to is not None:
             handlers += [WEIGHTS_HANDLER, ANCHOR_HANDLER, SCAPE_HANDLER, BASIS_HANDLER, TIED_HANDLER]
         for name in handlers:
@@ -275,6 +281,14 @@ class Lifecycle:
                 await asyncio.wait_for(p2p.remove_binary_stream_handler(name), 5.0)
         ctx.compute.shutdown()
         self.state.pool.shutdown(wait=True)
+
+    async def _dashboard(self) -> None:
+        """``--dashboard PORT``: the page for as long as this stage is served; a port that cannot
+        be bound costs the dashboard, never the node."""
+        try:
+            await serve_in_node(self.ctx, self.metrics_dict, self.ctx.stop)
+        except DashboardError as e:
+            log.warning("%s; the node goes on without it", e)
 
     async def finish_inflight(self) -> bool:
         """Answer the microbatches upstream is waiting for, within the deadline of a hop into us.

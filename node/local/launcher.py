@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,6 +34,7 @@ READY_TIMEOUT_S = 300.0  # first start may convert the bundled model (~20-40 s o
 STOP_GRACE_S = 60.0
 MEMORY_EVERY_S = 5.0  # how often the nodes' memory (PSS of each process tree) is sampled
 MAX_RESTARTS = 3  # --restart-dead: a node that keeps dying is given up after this many restarts
+DASHBOARD_START_S = 60.0  # its own DHT and p2pd, on cores the nodes keep busy
 
 
 class SwarmError(RuntimeError):
@@ -70,6 +71,18 @@ def node_command(
     return [sys.executable, "-m", "node", "join", *config_to_argv(cfg, always=tuple(LONG_FRAME_LAYOUT))]
 
 
+def dies_with_launcher() -> Callable[[], None]:
+    """A ``preexec_fn``: in the child, before exec, so a killed launcher stops what it started."""
+    launcher = os.getpid()
+
+    def preexec() -> None:
+        parent_death_signal(signal.SIGTERM)
+        if os.getppid() != launcher:  # it died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
 def spawn_node(
     args,
     i: int,
@@ -88,13 +101,6 @@ def spawn_node(
         (nodedir / stale).unlink(missing_ok=True)
     log = open(nodedir / "node.log", "w")
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    launcher = os.getpid()
-
-    def die_with_launcher() -> None:  # in the child, before exec: a killed launcher stops its nodes
-        parent_death_signal(signal.SIGTERM)
-        if os.getppid() != launcher:  # it died before prctl took effect
-            os._exit(1)
-
     try:
         return subprocess.Popen(
             node_command(args, i, nodedir, run_id, peers, circuit) + list(extra),
@@ -103,7 +109,7 @@ def spawn_node(
             stdin=subprocess.DEVNULL,
             env=full_env,
             start_new_session=True,
-            preexec_fn=die_with_launcher,
+            preexec_fn=dies_with_launcher(),
         )
     finally:
         log.close()  # the child holds its own copy
@@ -119,6 +125,43 @@ def poll_ready(proc: subprocess.Popen, i: int, report: Path) -> dict | None:
             f"node {i} exited with code {proc.returncode} before claiming a stage:\n"
             f"{_tail(nodedir / 'node.log')}"
         )
+    return None
+
+
+def start_dashboard(args, report: Path, run_id: str, peers: list[str]) -> subprocess.Popen | None:
+    """``node dashboard`` on the swarm, for the run's life (``--dashboard PORT``; -1: none).
+
+    A process of its own, as a user would run it, dying with the launcher like the nodes. Prints
+    its URL once it serves; a dashboard that cannot start (the port taken) costs one line, not the
+    run."""
+    if args.dashboard_port < 0:
+        return None
+    log_path = report / "dashboard.log"
+    cmd = [sys.executable, "-m", "node", "dashboard", "--peers", *peers, "--run-id", run_id]
+    cmd += ["--port", str(args.dashboard_port)] + (["--swarm-key", args.swarm_key] if args.swarm_key else [])
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            start_new_session=True,
+            preexec_fn=dies_with_launcher(),
+        )
+    deadline = time.monotonic() + DASHBOARD_START_S
+    while time.monotonic() < deadline:
+        lines = _tail(log_path, 20).splitlines()
+        url = next((ln.split()[1] for ln in lines if ln.startswith("dashboard: ")), None)
+        if url:
+            print(f"dashboard: {url}", flush=True)
+            return proc
+        if proc.poll() is not None:
+            break
+        time.sleep(0.3)
+    why = _tail(log_path, 1) or f"no URL within {DASHBOARD_START_S:.0f} s"
+    print(f"dashboard not started: {why}", flush=True)
+    kill_group(proc)
     return None
 
 
@@ -275,6 +318,7 @@ def run_swarm(args) -> int:
     t_start = time.monotonic()
     status = 0
     held = before = None
+    dashboard = None
     rates: list[tuple[float, dict]] = []
     memory = PeakMemory()
     try:
@@ -301,6 +345,7 @@ def run_swarm(args) -> int:
             procs.append(proc)
             stages.append(ready["stage"])
             print(f"  node {i} -> stage {ready['stage']} (anchor)", flush=True)
+        dashboard = start_dashboard(args, report, run_id, peers)
         status = watch(args, report, procs, stages, run_id, t_start, rates, memory)
     except KeyboardInterrupt:
         print("interrupted; stopping the swarm", flush=True)
@@ -310,6 +355,8 @@ def run_swarm(args) -> int:
         status = 2
     finally:
         stop_nodes(procs, stages + [len(stages)] * (len(procs) - len(stages)))
+        if dashboard is not None:  # after the nodes: it shows them leaving
+            stop_nodes([dashboard], [0])
     metrics = read_metrics(report, len(procs))
     rep = build_report(
         metrics,
