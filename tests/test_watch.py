@@ -51,7 +51,9 @@ def _metrics(peer: str, stage: int, role: str, losses: int = 0, **kw) -> dict:
         "circuit": "fast",
         "device": "cpu",
         "inner_step": losses,
-        "step_losses": [5.0 - 0.001 * i for i in range(losses)] if role == "tail" else [],  # the tail has a loss
+        "step_losses": [5.0 - 0.001 * i for i in range(losses)]
+        if role == "tail"
+        else [],  # the tail has a loss
         "trained_tokens": 100 * losses,
         "microbatches": 2 * losses,
         "dropped_microbatches": 1,
@@ -109,7 +111,9 @@ def test_events_are_the_differences_between_two_polls():
 
 def test_link_rows_compare_bytes_per_token_with_dense():
     run = _run()
-    rows = st.link_rows({"a": parse_reply(encode_frame(reply_frame(_metrics("a", 0, "head"), RUN)), RUN)}, run)
+    rows = st.link_rows(
+        {"a": parse_reply(encode_frame(reply_frame(_metrics("a", 0, "head"), RUN)), RUN)}, run
+    )
     assert rows == [
         {
             "boundary": 0,
@@ -184,7 +188,10 @@ def test_a_reply_a_node_would_not_send_is_refused(data):
 
 def _state(steps: int = 5, unreachable: dict | None = None) -> dict:
     stages = [{"h": _rec(100)}, {"t": _rec(50), "x": _rec(50)}]
-    nodes = {"h": _reply(_metrics("h", 0, "head", losses=steps)), "t": _reply(_metrics("t", 1, "tail", steps))}
+    nodes = {
+        "h": _reply(_metrics("h", 0, "head", losses=steps)),
+        "t": _reply(_metrics("t", 1, "tail", steps)),
+    }
     unreachable = {"x": "bad metrics reply: not a msgpack frame"} if unreachable is None else unreachable
     return st.build_state(_run(), stages, nodes, unreachable, [], 1.0, tokens_per_s=12.0)
 
@@ -218,8 +225,10 @@ def test_the_server_routes_and_404():
     server = DashboardServer("127.0.0.1", 0, lambda: s).start()
     try:
         page = urllib.request.urlopen(server.url, timeout=10).read().decode()
-        assert "api/state" in page and "<script" in page and "http://" not in page.replace(
-            "http://www.w3.org", ""
+        assert (
+            "api/state" in page
+            and "<script" in page
+            and "http://" not in page.replace("http://www.w3.org", "")
         )  # nothing from the internet
         assert json.loads(urllib.request.urlopen(server.url + "api/state", timeout=10).read()) == s
         text = urllib.request.urlopen(server.url + "metrics", timeout=10).read().decode()

@@ -1,0 +1,176 @@
+"""The dashboard against a real local swarm, and in a real browser (headless Chromium).
+
+One ``python -m node swarm`` of three nodes of a tiny model on two stages (stage 0 replicated,
+so a node can be killed and the run goes on) serves its dashboard (``--dashboard 0``: a free
+port, its URL printed). ``/api/state`` lists every node on its stage with its step and
+throughput and the loss history grows; ``/metrics`` parses as Prometheus text and its counters
+rise; unknown paths 404; Chromium shows the stage map with each node and a loss chart with
+points, and after a node is killed it leaves the map within its record's lifetime.
+
+``SAVE_DASHBOARD_PNG=PATH`` keeps the browser's last screenshot there (bench/results/dashboard.png
+was made so).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import wait_for
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dash")
+    cmd = [sys.executable, "-m", "node", "swarm", "--codec", "dense", "--nodes", "3", "--stages", "2"]
+    cmd += ["--steps", "1000000", "--model", "tiny:2:64", "--no-rebalance", "--dashboard", "0"]
+    cmd += ["--report", str(out / "r"), "--timeout", "900"]
+    log = open(out / "swarm.out", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = wait_for(lambda: _url(out / "swarm.out", proc), 240, "the dashboard's URL")
+        yield url, out / "r", proc
+    finally:
+        proc.send_signal(signal.SIGTERM)  # the launcher stops its nodes and the dashboard
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def _url(path: Path, proc: subprocess.Popen) -> str | None:
+    text = path.read_text()
+    assert proc.poll() is None, text[-2000:]
+    m = re.search(r"^dashboard: (http://\S+)", text, re.M)
+    return m.group(1) if m else None
+
+
+def _get(url: str) -> bytes:
+    return urllib.request.urlopen(url, timeout=10).read()
+
+
+def _state(url: str) -> dict:
+    return json.loads(_get(url + "api/state"))
+
+
+def _peers(s: dict) -> dict[str, dict]:
+    return {p["peer"]: {**p, "stage": st["index"]} for st in s["stages"] for p in st["peers"]}
+
+
+def _node_ids(report: Path) -> dict[int, str]:
+    return {
+        i: json.loads((report / "nodes" / str(i) / "ready.json").read_text())["peer_id"] for i in range(3)
+    }
+
+
+def test_state_lists_every_node_on_its_stage_and_the_loss_grows(swarm):
+    url, report, _ = swarm
+
+    def trained() -> dict | None:
+        s = _state(url)
+        peers = _peers(s)
+        ok = len(peers) == 3 and all(
+            p["reachable"] and p["inner_step"] > 0 and p["throughput"] > 0 for p in peers.values()
+        )
+        return s if ok and s["loss"] else None
+
+    s = wait_for(trained, 120, "three reachable nodes that have stepped")
+    ids = _node_ids(report)
+    peers = _peers(s)
+    assert set(peers) == set(ids.values())
+    for i, pid in ids.items():
+        ready = json.loads((report / "nodes" / str(i) / "ready.json").read_text())
+        assert peers[pid]["stage"] == ready["stage"]
+    assert s["nodes"][ids[0]]["device"] == "cpu" and s["stages"][0]["layers"] == [0, 1]
+    assert s["run"]["hidden"] == 64 and s["links"] and s["links"][0]["dense_bytes_per_token"] == 128
+    (tail,) = s["loss"]
+    first = len(s["loss"][tail]["values"]) + s["loss"][tail]["first_step"]
+    later = wait_for(
+        lambda: (x := _state(url)["loss"].get(tail)) and x["first_step"] + len(x["values"]) > first and x,
+        60,
+        "the loss history to grow",
+    )
+    assert later["first_step"] + len(later["values"]) > first
+
+
+def test_metrics_parse_as_prometheus_text_and_counters_rise(swarm):
+    url, _, _ = swarm
+
+    def scrape() -> dict:
+        fams = text_string_to_metric_families(_get(url + "metrics").decode())
+        return {(s.name, s.labels.get("peer")): s.value for f in fams for s in f.samples}
+
+    a = scrape()
+    tokens = {k: v for k, v in a.items() if k[0] == "vnode_trained_tokens_total"}
+    assert len(tokens) == 3, a.keys()
+    b = wait_for(
+        lambda: (x := scrape()) and all(x.get(k, 0) > v for k, v in tokens.items()) and x,
+        60,
+        "every node's trained tokens to rise between two scrapes",
+    )
+    assert sum(v for k, v in b.items() if k[0] == "vnode_link_bytes_total") > 0
+
+
+def test_unknown_paths_are_404(swarm):
+    url, _, _ = swarm
+    for path in ("nope", "api", "api/state.json"):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            _get(url + path)
+        assert e.value.code == 404
+
+
+def _browse(url: str, out: Path) -> str:
+    """The page's DOM after its script ran for a few (virtual) seconds, and a screenshot."""
+    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000"]
+    shot = subprocess.run(
+        [*flags, "--window-size=1200,1100", f"--screenshot={out}", url], capture_output=True, timeout=120
+    )
+    assert out.exists(), shot.stderr[-1000:]
+    dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120)
+    return dom.stdout
+
+
+def test_a_browser_shows_the_stage_map_and_the_loss_and_follows_a_node_that_is_killed(swarm, tmp_path):
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (apt-get install chromium; .ci/run installs it)")
+    url, report, _ = swarm
+    ids = _node_ids(report)
+    wait_for(lambda: len(_peers(_state(url))) == 3 and _state(url)["loss"], 120, "three nodes and a loss")
+    dom = _browse(url, tmp_path / "before.png")
+    for pid in ids.values():
+        assert f'data-peer="{pid}"' in dom, f"node {pid} is not on the page's stage map"
+    points = int(re.search(r'id="loss"[^>]*data-points="(\d+)"', dom).group(1))
+    assert points > 0 and 'class="loss-line"' in dom
+    assert dom.count('class="stage') >= 2 and "bottleneck" in dom
+
+    victim = next(
+        i for i in (2, 0) if json.loads((report / "nodes" / str(i) / "ready.json").read_text())["stage"] == 0
+    )
+    pid = int(
+        (report / "nodes" / str(victim) / "identity.key.lock").read_text()
+    )  # the node holds its identity
+    os.kill(pid, signal.SIGKILL)  # its DHT process and p2pd die with it
+    gone = ids[victim]
+    wait_for(lambda: gone not in _peers(_state(url)), 60, "the killed node to leave the state")
+    dom = _browse(url, tmp_path / "after.png")
+    assert f'data-peer="{gone}"' not in dom.split('id="loss"')[0], "the killed node is still on the stage map"
+    assert 'data-kind="leave"' in dom
+    for other in set(ids.values()) - {gone}:
+        assert f'data-peer="{other}"' in dom
+    if os.environ.get("SAVE_DASHBOARD_PNG"):
+        shutil.copy(tmp_path / "after.png", os.environ["SAVE_DASHBOARD_PNG"])
