@@ -174,3 +174,58 @@ def test_a_browser_shows_the_stage_map_and_the_loss_and_follows_a_node_that_is_k
         assert f'data-peer="{other}"' in dom
     if os.environ.get("SAVE_DASHBOARD_PNG"):
         shutil.copy(tmp_path / "after.png", os.environ["SAVE_DASHBOARD_PNG"])
+
+
+@pytest.mark.slow
+def test_a_joining_node_serves_the_dashboard_with_its_own_metrics(swarm, tmp_path):
+    """``join --dashboard PORT``: the node reads its own metrics directly (p2pd opens no stream to
+    itself) and the others' over the swarm."""
+    import socket
+
+    url, report, _ = swarm
+    ready0 = json.loads((report / "nodes" / "0" / "ready.json").read_text())
+    peer = next(a for a in ready0["maddrs"] if "127.0.0.1" in a)
+    peer = peer if "/p2p/" in peer else f"{peer}/p2p/{ready0['peer_id']}"
+    with socket.socket() as s:  # a free port (join's --dashboard 0 means off)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_id = _state(url)["run"]["run_id"]
+    cmd = [sys.executable, "-m", "node", "join", "--peers", peer, "--run-id", run_id, "--model", "tiny:2:64"]
+    cmd += ["--codec", "dense", "--stage", "0", "--state-dir", str(tmp_path / "n"), "--heartbeat", "1"]
+    cmd += [
+        "--no-rebalance",
+        "--threads",
+        "1",
+        "--dashboard",
+        str(port),
+        "--ready-file",
+        str(tmp_path / "ready"),
+    ]
+    log = open(tmp_path / "node.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        own = wait_for(
+            lambda: (tmp_path / "ready").exists() and json.loads((tmp_path / "ready").read_text()),
+            180,
+            "the joiner",
+        )
+        mine = f"http://127.0.0.1:{port}/"
+
+        def seen() -> dict | None:
+            try:
+                s = _state(mine)
+            except OSError:
+                return None
+            peers = _peers(s)
+            return s if own["peer_id"] in peers and all(p["reachable"] for p in peers.values()) else None
+
+        s = wait_for(seen, 90, "the joiner's dashboard to show itself and its peers, all reachable")
+        assert s["nodes"][own["peer_id"]]["stage"] == 0 and len(_peers(s)) >= 2
+        assert "vnode_inner_step" in _get(mine + "metrics").decode()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()

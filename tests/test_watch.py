@@ -109,6 +109,13 @@ def test_events_are_the_differences_between_two_polls():
     assert st.diff_events(after, after, 8.0, set(after)) == []
 
 
+def test_reach_follows_the_announced_addresses():
+    relay = "/ip4/1.2.3.4/tcp/1/p2p/QmRelay/p2p-circuit/p2p/QmPeer"
+    assert st.reach(["/ip4/127.0.0.1/tcp/5"]) == "direct"
+    assert st.reach(["/ip4/127.0.0.1/tcp/5", relay]) == "relayed"
+    assert st.reach([]) == "unknown"
+
+
 def test_link_rows_compare_bytes_per_token_with_dense():
     run = _run()
     rows = st.link_rows(

@@ -5,7 +5,8 @@ claimed its stage (so `--stage auto` spreads them deterministically). A node tha
 reported and the run goes on while every stage keeps a live node (`--restart-dead` restarts it
 with `--resume`). Nodes die with the launcher, even a SIGKILLed one. After the run every
 node is stopped with SIGTERM (SIGKILL to its process group if it hangs) and the report is
-built from the metrics files the nodes write.
+built from the metrics files the nodes write. The live dashboard (``node dashboard``) runs beside
+them for the run's life (node/local/dashboard.py).
 
 (Over 400 lines: the local launcher, its live view, deaths and restarts, and the end-of-run eval and
 export it orchestrates; the report itself is node/local/report.py.)
@@ -25,6 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from node.argv import config_from_args, config_to_argv
+from node.local.dashboard import DashboardProcess, start_dashboard
 from node.local.memory import PeakMemory
 from node.local.report import build_report, plot_eval, plot_link_rates, plot_loss
 from node.stage.links import LONG_FRAME_LAYOUT
@@ -34,7 +36,6 @@ READY_TIMEOUT_S = 300.0  # first start may convert the bundled model (~20-40 s o
 STOP_GRACE_S = 60.0
 MEMORY_EVERY_S = 5.0  # how often the nodes' memory (PSS of each process tree) is sampled
 MAX_RESTARTS = 3  # --restart-dead: a node that keeps dying is given up after this many restarts
-DASHBOARD_START_S = 60.0  # its own DHT and p2pd, on cores the nodes keep busy
 
 
 class SwarmError(RuntimeError):
@@ -125,43 +126,6 @@ def poll_ready(proc: subprocess.Popen, i: int, report: Path) -> dict | None:
             f"node {i} exited with code {proc.returncode} before claiming a stage:\n"
             f"{_tail(nodedir / 'node.log')}"
         )
-    return None
-
-
-def start_dashboard(args, report: Path, run_id: str, peers: list[str]) -> subprocess.Popen | None:
-    """``node dashboard`` on the swarm, for the run's life (``--dashboard PORT``; -1: none).
-
-    A process of its own, as a user would run it, dying with the launcher like the nodes. Prints
-    its URL once it serves; a dashboard that cannot start (the port taken) costs one line, not the
-    run."""
-    if args.dashboard_port < 0:
-        return None
-    log_path = report / "dashboard.log"
-    cmd = [sys.executable, "-m", "node", "dashboard", "--peers", *peers, "--run-id", run_id]
-    cmd += ["--port", str(args.dashboard_port)] + (["--swarm-key", args.swarm_key] if args.swarm_key else [])
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            start_new_session=True,
-            preexec_fn=dies_with_launcher(),
-        )
-    deadline = time.monotonic() + DASHBOARD_START_S
-    while time.monotonic() < deadline:
-        lines = _tail(log_path, 20).splitlines()
-        url = next((ln.split()[1] for ln in lines if ln.startswith("dashboard: ")), None)
-        if url:
-            print(f"dashboard: {url}", flush=True)
-            return proc
-        if proc.poll() is not None:
-            break
-        time.sleep(0.3)
-    why = _tail(log_path, 1) or f"no URL within {DASHBOARD_START_S:.0f} s"
-    print(f"dashboard not started: {why}", flush=True)
-    kill_group(proc)
     return None
 
 
@@ -334,6 +298,8 @@ def run_swarm(args) -> int:
         bootstrap = [a for a in ready["maddrs"] if "127.0.0.1" in a] or ready["maddrs"]
         peers = [f"{bootstrap[0]}/p2p/{ready['peer_id']}" if "/p2p/" not in bootstrap[0] else bootstrap[0]]
         print(f"  node 0 -> stage {ready['stage']}  {peers[0]}", flush=True)
+        # from the first node on: the dashboard's events then show the others joining
+        dashboard = start_dashboard(args, report, run_id, peers, dies_with_launcher())
         for i in range(1, args.nodes):
             proc, ready = start_node(args, i, report, run_id, peers)
             procs.append(proc)
@@ -345,8 +311,7 @@ def run_swarm(args) -> int:
             procs.append(proc)
             stages.append(ready["stage"])
             print(f"  node {i} -> stage {ready['stage']} (anchor)", flush=True)
-        dashboard = start_dashboard(args, report, run_id, peers)
-        status = watch(args, report, procs, stages, run_id, t_start, rates, memory)
+        status = watch(args, report, procs, stages, run_id, t_start, rates, memory, dashboard)
     except KeyboardInterrupt:
         print("interrupted; stopping the swarm", flush=True)
         status = 130
@@ -356,7 +321,7 @@ def run_swarm(args) -> int:
     finally:
         stop_nodes(procs, stages + [len(stages)] * (len(procs) - len(stages)))
         if dashboard is not None:  # after the nodes: it shows them leaving
-            stop_nodes([dashboard], [0])
+            stop_nodes([dashboard.proc], [0])
     metrics = read_metrics(report, len(procs))
     rep = build_report(
         metrics,
@@ -575,9 +540,10 @@ def watch(
     t_start: float,
     rates: list | None = None,
     memory: PeakMemory | None = None,
+    dashboard: DashboardProcess | None = None,
 ) -> int:
-    """Live view until the tail reaches ``args.steps``; appends (time, link bytes) samples to ``rates``
-    and samples the nodes' memory into ``memory``."""
+    """Live view until the tail reaches ``args.steps``; appends (time, link bytes) samples to ``rates``,
+    samples the nodes' memory into ``memory`` and prints ``dashboard``'s URL once it serves."""
     t0 = time.monotonic()
     interactive = sys.stdout.isatty()
     live = None
@@ -593,6 +559,8 @@ def watch(
             if memory is not None and time.monotonic() - last_memory >= MEMORY_EVERY_S:
                 memory.sample([p.pid if p.poll() is None else None for p in procs])
                 last_memory = time.monotonic()
+            if dashboard is not None:
+                dashboard.check()
             metrics = read_metrics(report, len(procs))
             done = tail_steps(metrics, args.stages)
             if rates is not None and metrics and (not rates or time.monotonic() - t0 - rates[-1][0] >= 2.0):

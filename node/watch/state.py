@@ -58,6 +58,14 @@ def diff_events(before: Seen | None, after: Seen, t: float, known: set[str]) -> 
     return out
 
 
+def reach(maddrs: list[str]) -> str:
+    """How a peer is reached, from the addresses its record announces: through a relay
+    (``/p2p-circuit``), directly, or unknown (it announced none)."""
+    if any("/p2p-circuit" in a for a in maddrs):
+        return "relayed"
+    return "direct" if maddrs else "unknown"
+
+
 def _event(t: float, kind: str, peer: str, stage: int) -> dict:
     return {"time": t, "kind": kind, "peer": peer, "stage": stage}
 
@@ -158,7 +166,7 @@ def build_state(
                     "error": unreachable.get(pid, ""),
                     "device": m["device"] if m else "",
                     "memory": m["memory_rss"] if m else 0,
-                    # direct / reversed / relayed, once the swarm tells them apart: the address it announces
+                    "reach": reach(r.maddrs),
                     "maddrs": r.maddrs[:3],
                 }
             )
