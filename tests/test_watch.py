@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import urllib.error
 import urllib.request
 
@@ -294,6 +295,13 @@ def test_peers_answering_garbage_too_much_or_nothing_are_unreachable(monkeypatch
             answers = await asyncio.gather(*(c._metrics(i) for i in ids))
             out.update(zip(("good", "garbage", "huge", "silent"), answers))
             out["direct"] = await fetch(cli, Wire(), ids[0], RUN, 5.0)
+            # a run with a swarm key: only its holders are answered
+            key = os.urandom(32)
+            keyed = MetricsServer(lambda: _metrics("keyed", 0, "head"), Wire(key), RUN, 5.0)
+            await peers[0].remove_binary_stream_handler(METRICS_HANDLER)
+            await peers[0].add_binary_stream_handler(METRICS_HANDLER, keyed.handle)
+            out["stranger"] = await c._metrics(ids[0])
+            out["holder"] = await fetch(cli, Wire(key), ids[0], RUN, 5.0)
         finally:
             await cli.shutdown()
             for p in peers:
@@ -305,3 +313,5 @@ def test_peers_answering_garbage_too_much_or_nothing_are_unreachable(monkeypatch
     assert out["garbage"].startswith("bad metrics reply"), out["garbage"]
     assert out["huge"].startswith("bad metrics reply") and "exceeds" in out["huge"], out["huge"]
     assert "no answer" in out["silent"], out["silent"]
+    assert out["stranger"].startswith("bad metrics reply") and "key" in out["stranger"], out["stranger"]
+    assert out["holder"]["peer_id"] == "keyed"
