@@ -42,6 +42,7 @@ from node.swarm.rebalance import Rebalancer, choose_move, move_reason
 from node.swarm.routing import fast_peers_of_stage
 from node.swarm.weights import WEIGHTS_HANDLER, WeightServer, pull_weights
 from node.watch.dashboard import DashboardError, serve_in_node
+from node.watch.probe import Probe
 from node.watch.stream import METRICS_HANDLER, MetricsServer
 from protocol.records import STAGE_RECORD_BEATS, StageRecord
 
@@ -69,6 +70,7 @@ class Lifecycle:
     anchor: AnchorClient | None
     filter: SpectralFilter | None
     weight_server: WeightServer | None
+    metrics_server: MetricsServer  # vnode.metrics, registered when serving starts
     packet_sink: PacketSink | None
     scape: ScapeSync | None
     tied: TiedExchange | None
@@ -228,8 +230,12 @@ class Lifecycle:
             await handle_alive(info, reader, writer, wire=ctx.wire)
 
         await p2p.add_binary_stream_handler(ALIVE_HANDLER, alive)
-        metrics = MetricsServer(self.metrics_dict, ctx.wire, ctx.run.run_id, ctx.cfg.hop_timeout)
-        await p2p.add_binary_stream_handler(METRICS_HANDLER, metrics.handle)
+        # anchors hold stale copies of the fast weights: not replicas whose drift the dashboard shows
+        probe = Probe(ctx.stage, ctx.run.seed, ctx.index) if self.anchor is None else None
+        self.metrics_server = MetricsServer(
+            self.metrics_dict, ctx.wire, ctx.run.run_id, ctx.cfg.hop_timeout, probe
+        )
+        await p2p.add_binary_stream_handler(METRICS_HANDLER, self.metrics_server.handle)
         await p2p.add_binary_stream_handler(HANDLER, self.server.handle_stream)
         raise_accept_backlog(p2p)  # before the first burst of streams, not at the first stream served
         await self.publish()
@@ -286,7 +292,7 @@ class Lifecycle:
         """``--dashboard PORT``: the page for as long as this stage is served; a port that cannot
         be bound costs the dashboard, never the node."""
         try:
-            await serve_in_node(self.ctx, self.metrics_dict, self.ctx.stop)
+            await serve_in_node(self.ctx, self.metrics_server, self.ctx.stop)
         except DashboardError as e:
             log.warning("%s; the node goes on without it", e)
 

@@ -98,6 +98,8 @@ def test_state_lists_every_node_on_its_stage_and_the_loss_grows(swarm):
         assert peers[pid]["stage"] == ready["stage"]
     assert s["nodes"][ids[0]]["device"] == "cpu" and s["stages"][0]["layers"] == [0, 1]
     assert s["run"]["hidden"] == 64 and s["links"] and s["links"][0]["dense_bytes_per_token"] == 128
+    # stage 0 has two replicas: their drift is estimated from each one's sample of its weights
+    assert list(s["dp"]["replica_distance_by_stage"]) == ["0"] and s["dp"]["replica_distance"] >= 0
     (tail,) = s["loss"]
     first = len(s["loss"][tail]["values"]) + s["loss"][tail]["first_step"]
     later = wait_for(

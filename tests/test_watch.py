@@ -135,6 +135,31 @@ def test_link_rows_compare_bytes_per_token_with_dense():
     ]
 
 
+def test_the_probe_estimates_the_distance_between_replicas():
+    import torch
+
+    from node.watch.probe import PROBE_N, Probe
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)
+    with torch.no_grad():
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            pb.copy_(pa + 0.01 * torch.randn_like(pa))
+    true = sum(((pa - pb) ** 2).sum() for pa, pb in zip(a.parameters(), b.parameters())).sqrt().item()
+
+    def node(module, stage: int = 1, seed: int = 7) -> dict:
+        size, values = Probe(module, seed, stage).sample()
+        return {"stage": stage, "circuit": "fast", "probe_size": size, "probe": values.tolist()}
+
+    est = st.replica_distance({"a": node(a), "b": node(b)})
+    assert set(est) == {1} and est[1] == pytest.approx(true, rel=0.1)  # 1024 of 65792 coordinates
+    assert len(node(a)["probe"]) == PROBE_N
+    assert st.replica_distance({"a": node(a), "a2": node(a)}) == {1: 0.0}  # the same coordinates alike
+    assert st.replica_distance({"a": node(a, seed=7), "b": node(b, seed=8)})[1] > 2 * true  # others: not
+    assert st.replica_distance({"a": node(a), "c": node(torch.nn.Linear(8, 8))}) == {}  # unlike stages
+    assert st.replica_distance({"a": node(a)}) == {}
+
+
 # ---------------------------------------------------------------------- the metrics reply
 
 
@@ -178,12 +203,13 @@ def _frame(**kw) -> bytes:
         _frame(tensors={"losses": __import__("torch").zeros(LOSS_KEPT + 1)}),
         _frame(tensors={"links": __import__("torch").zeros(2, 3, dtype=__import__("torch").int64)}),
         _frame(tensors={"links": __import__("torch").tensor([[0, 5, 1, 1]])}),
+        _frame(tensors={"probe": __import__("torch").zeros(2000)}),
         encode_frame(Frame(kind="error", run_id=RUN, meta={"message": "no"})),
         b"\x00" * (REPLY_BYTES + 1),
     ],
     ids=[
         "bytes", "not-a-frame", "kind", "run", "negative", "type", "inf", "peer-type", "losses-long",
-        "links-shape", "direction", "error", "oversized",
+        "links-shape", "direction", "probe-long", "error", "oversized",
     ],
 )  # fmt: skip
 def test_a_reply_a_node_would_not_send_is_refused(data):

@@ -17,8 +17,7 @@ from collections.abc import Callable
 from node.net.wire import Wire
 from node.swarm.membership import dht_call, read_stage_records
 from node.watch.state import EVENTS_KEPT, Seen, build_state, diff_events, seen
-from node.watch.stream import MetricsError, fetch, parse_reply, reply_frame
-from protocol.frames import encode_frame
+from node.watch.stream import MetricsError, MetricsServer, fetch, parse_reply
 from protocol.records import RecordError, RunRecord, run_key
 
 log = logging.getLogger("node")
@@ -28,8 +27,8 @@ ASK_S = 5.0  # a peer's metrics: a loaded node answers in well under a second; a
 
 
 class Collector:
-    """Polls run ``run_id`` through ``dht`` and ``p2p``. ``own``: (peer id, metrics_dict) of the
-    node serving the dashboard, read directly (p2pd does not open streams to itself)."""
+    """Polls run ``run_id`` through ``dht`` and ``p2p``. ``own``: (peer id, metrics server) of the
+    node serving the dashboard, whose reply is read directly (p2pd opens no stream to itself)."""
 
     def __init__(
         self,
@@ -37,7 +36,7 @@ class Collector:
         p2p,
         wire: Wire,
         run_id: str,
-        own: tuple[str, Callable[[], dict]] | None = None,
+        own: tuple[str, MetricsServer] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.dht, self.p2p, self.wire, self.run_id, self.own = dht, p2p, wire, run_id, own
@@ -64,7 +63,7 @@ class Collector:
         """The peer's metrics, or why they could not be read."""
         try:
             if self.own is not None and peer == self.own[0]:
-                return parse_reply(encode_frame(reply_frame(self.own[1](), self.run_id)), self.run_id)
+                return parse_reply(self.own[1].reply(), self.run_id)
             return await asyncio.wait_for(fetch(self.p2p, self.wire, peer, self.run_id, ASK_S), ASK_S)
         except MetricsError as e:
             return f"bad metrics reply: {e}"[:200]

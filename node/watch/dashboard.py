@@ -18,6 +18,7 @@ from node.config import NodeConfig
 from node.net.wire import Wire
 from node.swarm.membership import JoinError, read_run_record, remove_socket_dir, socket_dir, start_dht
 from node.watch.collect import Collector
+from node.watch.stream import MetricsServer
 from node.watch.web import DashboardServer
 from protocol.auth import SwarmKeyError, key_id, load_swarm_key
 
@@ -82,9 +83,9 @@ async def _watch(dht, wire: Wire, args) -> None:
         server.close()
 
 
-async def serve_in_node(ctx, source: Callable[[], dict], stop: asyncio.Event) -> None:
+async def serve_in_node(ctx, metrics: MetricsServer, stop: asyncio.Event) -> None:
     """The dashboard inside a node: its own metrics read directly, the others' over the swarm."""
-    collector = Collector(ctx.dht, ctx.p2p, ctx.wire, ctx.run.run_id, own=(ctx.peer_id, source))
+    collector = Collector(ctx.dht, ctx.p2p, ctx.wire, ctx.run.run_id, own=(ctx.peer_id, metrics))
     server = open_server(ctx.cfg.dashboard_host, ctx.cfg.dashboard, lambda: collector.state)
     print(f"dashboard: {server.url}", flush=True)
     try:

@@ -3,7 +3,8 @@
 ``build_state`` turns one poll (the run record, the stage records, each peer's metrics or the
 reason it could not be read) into the JSON that ``/api/state`` serves and the page draws;
 ``bottleneck`` marks the slowest stage; ``diff_events`` turns two polls' stage records into
-joins, leaves, moves and readiness changes, since the swarm publishes no event log of its own.
+joins, leaves, moves and readiness changes, since the swarm publishes no event log of its own;
+``replica_distance`` estimates how far a stage's replicas have drifted apart.
 """
 
 from __future__ import annotations
@@ -103,6 +104,28 @@ def link_rows(nodes: Mapping[str, dict], run: RunRecord) -> list[dict]:
     ]
 
 
+def replica_distance(nodes: Mapping[str, dict]) -> dict[int, float]:
+    """Per stage with two or more fast replicas, the largest estimated L2 distance between two of
+    their weight vectors: sqrt(P / n · Σ (a_i − b_i)²) over the n coordinates every replica samples
+    alike (``node.watch.probe``). Pairs whose samples do not match in P or n are left out."""
+    by_stage: dict[int, list[dict]] = {}
+    for m in nodes.values():
+        if m.get("circuit", "fast") == "fast" and m.get("probe"):
+            by_stage.setdefault(m["stage"], []).append(m)
+    out = {}
+    for stage, ms in sorted(by_stage.items()):
+        dists = [
+            (a["probe_size"] / len(a["probe"]) * sum((x - y) ** 2 for x, y in zip(a["probe"], b["probe"])))
+            ** 0.5
+            for i, a in enumerate(ms)
+            for b in ms[i + 1 :]
+            if a["probe_size"] == b["probe_size"] and len(a["probe"]) == len(b["probe"])
+        ]
+        if dists:
+            out[stage] = max(dists)
+    return out
+
+
 def run_view(run: RunRecord) -> dict:
     """The run's description as the page shows it."""
     return {
@@ -182,6 +205,7 @@ def build_state(
         )
     tails = {pid: m for pid, m in nodes.items() if m["role"] == "tail" and m.get("circuit", "fast") == "fast"}
     fast = [m for m in nodes.values() if m.get("circuit", "fast") == "fast"]
+    distances = replica_distance(nodes)
     return {
         "time": t,
         "run": run_view(run),
@@ -206,7 +230,9 @@ def build_state(
             "skipped": sum(m["outer_skipped"] for m in fast),
             "bytes": sum(m["outer_bytes"] for m in fast),
             "dense_bytes": sum(m["outer_dense_bytes"] for m in fast),
-            "replica_distance": None,  # needs the replicas' weights: the run's report computes it
+            # estimated from a sample of each replica's weights; the run's report measures it exactly
+            "replica_distance": max(distances.values(), default=None),
+            "replica_distance_by_stage": {str(k): v for k, v in distances.items()},
         },
         "nodes": dict(sorted(nodes.items())),
         "unreachable": dict(sorted(unreachable.items())),

@@ -5,7 +5,8 @@ in the stage records. The request and the reply go through the node's ``Wire`` (
 swarm key when the run has one) and the server side is ``node.net.serve``'s, like every handler.
 
 Bounded both ways: a request is a frame without tensors (``REQUEST_BYTES``), a reply at most
-``REPLY_BYTES``, with at most ``LOSS_KEPT`` losses and ``LINKS_KEPT`` links. The reply is the
+``REPLY_BYTES``, with at most ``LOSS_KEPT`` losses, ``LINKS_KEPT`` links and ``PROBE_N`` sampled
+weights (``node.watch.probe``). The reply is the
 node's ``metrics_dict`` at most ``CACHE_S`` old: a visitor that asks in a loop costs one
 snapshot a second, not one per request (the rate limit). The asker checks everything it was
 sent (``parse_reply``): a peer that answers garbage raises ``MetricsError`` and is shown as
@@ -24,6 +25,7 @@ from node.net import rpc
 from node.net.serve import Stream, serve
 from node.net.transport import close_quietly
 from node.net.wire import Wire
+from node.watch.probe import PROBE_N, Probe
 from protocol.frames import Frame, FrameError, decode_frame, encode_frame
 
 METRICS_HANDLER = "vnode.metrics"
@@ -54,6 +56,7 @@ INTS = (
     "memory_rss",
     "memory_peak",
     "losses_first",
+    "probe_size",
 )
 FLOATS = ("throughput", "compute_s", "time")
 STRS = ("peer_id", "role", "circuit", "device", "dp_mode")
@@ -91,8 +94,10 @@ def flatten(m: dict) -> tuple[dict, list[float], list[list[int]]]:
     return scalars, kept, links
 
 
-def reply_frame(m: dict, run_id: str) -> Frame:
+def reply_frame(m: dict, run_id: str, probe: Probe | None = None) -> Frame:
+    """The reply: ``m`` (a ``metrics_dict``) flattened, with ``probe``'s sample of the weights."""
     scalars, losses, links = flatten(m)
+    size, sample = probe.sample() if probe is not None else (0, torch.zeros(0))
     return Frame(
         kind="metrics",
         run_id=run_id,
@@ -100,8 +105,9 @@ def reply_frame(m: dict, run_id: str) -> Frame:
         tensors={
             "losses": torch.tensor(losses, dtype=torch.float32),
             "links": torch.tensor(links, dtype=torch.int64).reshape(-1, 4),
+            "probe": sample.to(torch.float32),
         },
-        meta=scalars,
+        meta={**scalars, "probe_size": size},
     )
 
 
@@ -116,9 +122,11 @@ def parse_reply(data: bytes, run_id: str) -> dict:
         raise MetricsError(str(e)) from None
     if frame.kind == "error":
         raise MetricsError(str(frame.meta.get("message", "error reply")))
-    losses, links = frame.tensors.get("losses"), frame.tensors.get("links")
-    if frame.kind != "metrics" or losses is None or links is None:
+    losses, links, probe = (frame.tensors.get(k) for k in ("losses", "links", "probe"))
+    if frame.kind != "metrics" or losses is None or links is None or probe is None:
         raise MetricsError(f"not a metrics reply (kind {frame.kind!r})")
+    if probe.dtype != torch.float32 or probe.dim() != 1 or probe.numel() > PROBE_N:
+        raise MetricsError("probe must be at most PROBE_N float32 values")
     if losses.dtype != torch.float32 or losses.dim() != 1 or losses.numel() > LOSS_KEPT:
         raise MetricsError("losses must be at most LOSS_KEPT float32 values")
     if links.dtype != torch.int64 or links.dim() != 2 or links.shape[1] != 4 or links.shape[0] > LINKS_KEPT:
@@ -139,6 +147,7 @@ def parse_reply(data: bytes, run_id: str) -> dict:
         {"boundary": b, "direction": DIRECTIONS[d], "bytes": n, "tokens": t} for b, d, n, t in rows
     ]
     out["losses"] = losses.tolist()  # decode_frame already refused non-finite values
+    out["probe"] = probe.tolist()
     return out
 
 
@@ -147,15 +156,22 @@ class MetricsServer:
     ``CACHE_S`` old. Anyone who holds the swarm key may ask: a dashboard is a visitor with a
     throwaway identity, not a member our routes know."""
 
-    def __init__(self, source: Callable[[], dict], wire: Wire, run_id: str, timeout: float) -> None:
+    def __init__(
+        self, source: Callable[[], dict], wire: Wire, run_id: str, timeout: float, probe: Probe | None = None
+    ) -> None:
         self.source, self.wire, self.run_id, self.timeout = source, wire, run_id, timeout
+        self.probe = probe
         self._cached: tuple[float, bytes] | None = None
         self.served = 0
 
-    def _reply(self) -> bytes:
+    def reply(self) -> bytes:
+        """The encoded reply, at most ``CACHE_S`` old (the node's own dashboard reads it too)."""
         now = time.monotonic()
         if self._cached is None or now - self._cached[0] > CACHE_S:
-            self._cached = (now, encode_frame(reply_frame(self.source(), self.run_id), REPLY_BYTES))
+            self._cached = (
+                now,
+                encode_frame(reply_frame(self.source(), self.run_id, self.probe), REPLY_BYTES),
+            )
         return self._cached[1]
 
     async def handle(self, stream_info, reader, writer) -> None:
@@ -176,7 +192,7 @@ class MetricsServer:
         )
         if req.kind != "metrics" or req.tensors:
             raise FrameError("expected a metrics request")
-        await s.send(self._reply())
+        await s.send(self.reply())
         self.served += 1
 
 
