@@ -18,6 +18,7 @@ import msgpack
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from node.net.rpc import open_stream
 from node.net.wire import Wire
 from node.watch import state as st
 from node.watch.collect import Collector
@@ -33,7 +34,7 @@ from node.watch.stream import (
     reply_frame,
 )
 from node.watch.web import DashboardServer
-from protocol.frames import Frame, encode_frame
+from protocol.frames import Frame, decode_frame, encode_frame
 from protocol.records import RunRecord, StageRecord
 
 RUN = "watch-test"
@@ -321,6 +322,12 @@ def test_peers_answering_garbage_too_much_or_nothing_are_unreachable(monkeypatch
             answers = await asyncio.gather(*(c._metrics(i) for i in ids))
             out.update(zip(("good", "garbage", "huge", "silent"), answers))
             out["direct"] = await fetch(cli, Wire(), ids[0], RUN, 5.0)
+            # a garbage request: a typed error reply, and the next good one is answered as before
+            reader, writer = await open_stream(cli, ids[0], METRICS_HANDLER, 5.0)
+            await Wire().send(writer, b"\x93not a frame", 5.0)
+            out["refusal"] = decode_frame(await Wire().recv(reader, REPLY_BYTES, 5.0))
+            writer.close()
+            out["after"] = await fetch(cli, Wire(), ids[0], RUN, 5.0)
             # a run with a swarm key: only its holders are answered
             key = os.urandom(32)
             keyed = MetricsServer(lambda: _metrics("keyed", 0, "head"), Wire(key), RUN, 5.0)
@@ -336,6 +343,8 @@ def test_peers_answering_garbage_too_much_or_nothing_are_unreachable(monkeypatch
     asyncio.run(main())
     assert isinstance(out["good"], dict) and out["good"]["losses"] == out["direct"]["losses"]
     assert len(out["good"]["losses"]) == 4
+    assert out["refusal"].kind == "error" and out["refusal"].meta["code"] == "malformed"
+    assert out["after"]["peer_id"] == "good"
     assert out["garbage"].startswith("bad metrics reply"), out["garbage"]
     assert out["huge"].startswith("bad metrics reply") and "exceeds" in out["huge"], out["huge"]
     assert "no answer" in out["silent"], out["silent"]
