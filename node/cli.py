@@ -1,4 +1,4 @@
-"""Command line: join, swarm, status, health, prepare-model.
+"""Command line: join, swarm, status, dashboard, health, prepare-model.
 
 ``join``'s flags, and ``swarm``'s run settings, are built from NodeConfig's fields (node/argv.py).
 Every flag is checked as it is parsed (a range or choices: the field's metadata in node/config.py,
@@ -134,6 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="restart a node that dies with --resume (its checkpoint, then the stage's current "
         "weights); without it the run goes on while every stage keeps a live node",
     )
+    s.add_argument(
+        "--dashboard",
+        dest="dashboard_port",  # not NodeConfig's `dashboard`: the nodes must not each serve one
+        type=bounded(int, min=-1, max=65535),
+        default=8080,
+        metavar="PORT",
+        help="serve the live dashboard on 127.0.0.1:PORT for the run's life; 0 = any free port, "
+        "-1 = none (default: %(default)s)",
+    )
     add_swarm_model_out_args(s)
 
     st = sub.add_parser("status", help="print a swarm's run, stages and peers from the DHT")
@@ -146,6 +155,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to reach the peers and read the run (default: %(default)s)",
     )
     st.add_argument("--json", action="store_true", help="print JSON")
+
+    d = sub.add_parser("dashboard", help="serve a live web dashboard and Prometheus metrics of a swarm")
+    d.add_argument("--peers", nargs="+", required=True, help="multiaddr(s) of any peer in the swarm")
+    d.add_argument("--run-id", default="default", help="which run to show (default: %(default)s)")
+    d.add_argument(
+        "--port", type=bounded(int, min=0, max=65535), default=8080, help="TCP port; 0 = any free one "
+        "(default: %(default)s)"
+    )  # fmt: skip
+    d.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind; 0.0.0.0 shows it to your network (default: %(default)s)",
+    )
+    d.add_argument("--swarm-key", default=None, help="the swarm's key file, when it has one")
+    d.add_argument(
+        "--join-timeout",
+        type=flag_type("join_timeout"),
+        default=_CFG_DEFAULTS["join_timeout"],
+        help="seconds to reach the peers and read the run (default: %(default)s)",
+    )
 
     h = sub.add_parser(
         "health", help="exit 0 if the local node is alive and serving (for container healthchecks)"
@@ -351,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
             from node.swarm.status import run_status
 
             return run_status(args)
+        if args.cmd == "dashboard":
+            from node.watch.dashboard import run_dashboard
+
+            return run_dashboard(args)
         if args.cmd == "health":
             from node.swarm.health import run_health
 

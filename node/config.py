@@ -494,6 +494,19 @@ class NodeConfig:
         group=NODE,
     )
     metrics_file: str | None = opt(None, help="write live metrics as JSON here", group=NODE)
+    dashboard: int = opt(
+        0,
+        help="serve the live dashboard (the swarm as this node sees it) on this TCP port; "
+        "0 = off (default: %(default)s)",
+        min=0,
+        max=65535,
+        group=NODE,
+    )  # read-only: the page, /api/state and /metrics (node/watch)
+    dashboard_host: str = opt(
+        "127.0.0.1",
+        help="address the dashboard binds; 0.0.0.0 shows it to your network (default: %(default)s)",
+        group=NODE,
+    )
     checkpoint_every: int = opt(
         50,
         help="inner steps between atomic checkpoints in STATE_DIR/checkpoints (one is also written on "

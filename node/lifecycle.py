@@ -41,6 +41,9 @@ from node.swarm.membership import store_stage_record
 from node.swarm.rebalance import Rebalancer, choose_move, move_reason
 from node.swarm.routing import fast_peers_of_stage
 from node.swarm.weights import WEIGHTS_HANDLER, WeightServer, pull_weights
+from node.watch.dashboard import DashboardError, serve_in_node
+from node.watch.probe import Probe
+from node.watch.stream import METRICS_HANDLER, MetricsServer
 from protocol.records import STAGE_RECORD_BEATS, StageRecord
 
 log = logging.getLogger("node")
@@ -67,6 +70,7 @@ class Lifecycle:
     anchor: AnchorClient | None
     filter: SpectralFilter | None
     weight_server: WeightServer | None
+    metrics_server: MetricsServer  # vnode.metrics, registered when serving starts
     packet_sink: PacketSink | None
     scape: ScapeSync | None
     tied: TiedExchange | None
@@ -226,12 +230,20 @@ class Lifecycle:
             await handle_alive(info, reader, writer, wire=ctx.wire)
 
         await p2p.add_binary_stream_handler(ALIVE_HANDLER, alive)
+        # anchors hold stale copies of the fast weights: not replicas whose drift the dashboard shows
+        probe = Probe(ctx.stage, ctx.run.seed, ctx.index) if self.anchor is None else None
+        self.metrics_server = MetricsServer(
+            self.metrics_dict, ctx.wire, ctx.run.run_id, ctx.cfg.hop_timeout, probe
+        )
+        await p2p.add_binary_stream_handler(METRICS_HANDLER, self.metrics_server.handle)
         await p2p.add_binary_stream_handler(HANDLER, self.server.handle_stream)
         raise_accept_backlog(p2p)  # before the first burst of streams, not at the first stream served
         await self.publish()
         if self.move_allowed is not None:  # the dwell counts from now: a joiner first fills its stage
             self.rebalancer = Rebalancer(time.monotonic(), ctx.cfg.heartbeat_s)
         tasks = [asyncio.create_task(self.heartbeat_loop())]
+        if ctx.cfg.dashboard:
+            tasks.append(asyncio.create_task(self._dashboard()))
         if ctx.cfg.max_steps and ctx.inner_step >= ctx.cfg.max_steps:  # resumed at its last step
             log.info("already at --max-steps %d: nothing to train", ctx.cfg.max_steps)
             ctx.stop.set()
@@ -267,7 +279,7 @@ class Lifecycle:
         self.write_metrics()
         self.write_health(serving=False)
         # a node that moves registers its handlers again for the new stage, in this process
-        handlers = [HANDLER, ALIVE_HANDLER]
+        handlers = [HANDLER, ALIVE_HANDLER, METRICS_HANDLER]
         if self.move_to is not None:
             handlers += [WEIGHTS_HANDLER, ANCHOR_HANDLER, SCAPE_HANDLER, BASIS_HANDLER, TIED_HANDLER]
         for name in handlers:
@@ -275,6 +287,14 @@ class Lifecycle:
                 await asyncio.wait_for(p2p.remove_binary_stream_handler(name), 5.0)
         ctx.compute.shutdown()
         self.state.pool.shutdown(wait=True)
+
+    async def _dashboard(self) -> None:
+        """``--dashboard PORT``: the page for as long as this stage is served; a port that cannot
+        be bound costs the dashboard, never the node."""
+        try:
+            await serve_in_node(self.ctx, self.metrics_server, self.ctx.stop)
+        except DashboardError as e:
+            log.warning("%s; the node goes on without it", e)
 
     async def finish_inflight(self) -> bool:
         """Answer the microbatches upstream is waiting for, within the deadline of a hop into us.

@@ -210,6 +210,7 @@ class StageRuntime(Lifecycle):
             "basis_bytes_served": bases.bytes_served if bases else 0,
             "throughput": self.pipeline.throughput,
             "compute_s": self.compute.seconds,
+            "device": str(self.compute.device),
             "links": m.links_list(),
             "peers": {str(s): sorted(r) for s, r in enumerate(self.routes)},
             "memory": {**process_memory(self.compute.device), "estimate": self.memory_estimate},

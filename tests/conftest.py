@@ -33,6 +33,8 @@ def run_swarm(report_dir, *args: str, timeout: float = 420, codec: str | None = 
         "node",
         "swarm",
         *(["--codec", codec] if codec else []),
+        # no dashboard process beside the nodes on two shared cores (tests/test_dashboard.py has its own)
+        *([] if "--dashboard" in args else ["--dashboard", "-1"]),
         *args,
         "--report",
         str(report_dir),

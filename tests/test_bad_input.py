@@ -80,6 +80,11 @@ CASES = [
     ),  # fmt: skip
     ("export-timeout-0", ["export", "--out", "o", "--peers", "x", "--timeout", "0"], ["--timeout"], {}),
     ("status-join-timeout-0", ["status", "--peers", "x", "--join-timeout", "0"], ["--join-timeout"], {}),
+    ("join-dashboard-port", [*J, "--dashboard", "70000"], ["--dashboard", "70000"], {}),
+    ("swarm-dashboard-neg", ["swarm", "--dashboard", "-2"], ["--dashboard", "-2"], {}),
+    ("dashboard-port", ["dashboard", "--peers", "x", "--port", "65536"], ["--port", "65536"], {}),
+    ("dashboard-peers", ["dashboard", "--peers", "nonsense", "--join-timeout", "2"], ["nonsense"], {}),
+    ("dashboard-key", ["dashboard", "--peers", "x", "--swarm-key", "nope.key"], ["nope.key"], {}),
     # before the DHT starts: what the flags name
     ("stage-past-new-run", [*J, "--stage", "2"], ["--stage 2", "0..1"], {}),
     ("tiny-malformed", [*J0, "--model", "tiny:x"], ["--model tiny:x", "tiny:LAYERS"], {}),

@@ -120,6 +120,8 @@ MAY_USE = {
     "stage": {"net", "model", "swarm"},
     "dp": {"net", "model", "swarm", "stage"},
     "local": {"net", "model", "swarm", "stage", "argv"},
+    # the dashboard reads what the others publish; only the top level (a node's --dashboard, the CLI) uses it
+    "watch": {"net", "model", "swarm", "stage"},
 }
 
 

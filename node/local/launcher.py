@@ -5,7 +5,8 @@ claimed its stage (so `--stage auto` spreads them deterministically). A node tha
 reported and the run goes on while every stage keeps a live node (`--restart-dead` restarts it
 with `--resume`). Nodes die with the launcher, even a SIGKILLed one. After the run every
 node is stopped with SIGTERM (SIGKILL to its process group if it hangs) and the report is
-built from the metrics files the nodes write.
+built from the metrics files the nodes write. The live dashboard (``node dashboard``) runs beside
+them for the run's life (node/local/dashboard.py).
 
 (Over 400 lines: the local launcher, its live view, deaths and restarts, and the end-of-run eval and
 export it orchestrates; the report itself is node/local/report.py.)
@@ -20,11 +21,12 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 from node.argv import config_from_args, config_to_argv
+from node.local.dashboard import DashboardProcess, start_dashboard
 from node.local.memory import PeakMemory
 from node.local.report import build_report, plot_eval, plot_link_rates, plot_loss
 from node.stage.links import LONG_FRAME_LAYOUT
@@ -70,6 +72,18 @@ def node_command(
     return [sys.executable, "-m", "node", "join", *config_to_argv(cfg, always=tuple(LONG_FRAME_LAYOUT))]
 
 
+def dies_with_launcher() -> Callable[[], None]:
+    """A ``preexec_fn``: in the child, before exec, so a killed launcher stops what it started."""
+    launcher = os.getpid()
+
+    def preexec() -> None:
+        parent_death_signal(signal.SIGTERM)
+        if os.getppid() != launcher:  # it died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
 def spawn_node(
     args,
     i: int,
@@ -88,13 +102,6 @@ def spawn_node(
         (nodedir / stale).unlink(missing_ok=True)
     log = open(nodedir / "node.log", "w")
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    launcher = os.getpid()
-
-    def die_with_launcher() -> None:  # in the child, before exec: a killed launcher stops its nodes
-        parent_death_signal(signal.SIGTERM)
-        if os.getppid() != launcher:  # it died before prctl took effect
-            os._exit(1)
-
     try:
         return subprocess.Popen(
             node_command(args, i, nodedir, run_id, peers, circuit) + list(extra),
@@ -103,7 +110,7 @@ def spawn_node(
             stdin=subprocess.DEVNULL,
             env=full_env,
             start_new_session=True,
-            preexec_fn=die_with_launcher,
+            preexec_fn=dies_with_launcher(),
         )
     finally:
         log.close()  # the child holds its own copy
@@ -275,6 +282,7 @@ def run_swarm(args) -> int:
     t_start = time.monotonic()
     status = 0
     held = before = None
+    dashboard = None
     rates: list[tuple[float, dict]] = []
     memory = PeakMemory()
     try:
@@ -290,6 +298,8 @@ def run_swarm(args) -> int:
         bootstrap = [a for a in ready["maddrs"] if "127.0.0.1" in a] or ready["maddrs"]
         peers = [f"{bootstrap[0]}/p2p/{ready['peer_id']}" if "/p2p/" not in bootstrap[0] else bootstrap[0]]
         print(f"  node 0 -> stage {ready['stage']}  {peers[0]}", flush=True)
+        # from the first node on: the dashboard's events then show the others joining
+        dashboard = start_dashboard(args, report, run_id, peers, dies_with_launcher())
         for i in range(1, args.nodes):
             proc, ready = start_node(args, i, report, run_id, peers)
             procs.append(proc)
@@ -301,7 +311,7 @@ def run_swarm(args) -> int:
             procs.append(proc)
             stages.append(ready["stage"])
             print(f"  node {i} -> stage {ready['stage']} (anchor)", flush=True)
-        status = watch(args, report, procs, stages, run_id, t_start, rates, memory)
+        status = watch(args, report, procs, stages, run_id, t_start, rates, memory, dashboard)
     except KeyboardInterrupt:
         print("interrupted; stopping the swarm", flush=True)
         status = 130
@@ -310,6 +320,8 @@ def run_swarm(args) -> int:
         status = 2
     finally:
         stop_nodes(procs, stages + [len(stages)] * (len(procs) - len(stages)))
+        if dashboard is not None:  # after the nodes: it shows them leaving
+            stop_nodes([dashboard.proc], [0])
     metrics = read_metrics(report, len(procs))
     rep = build_report(
         metrics,
@@ -528,9 +540,10 @@ def watch(
     t_start: float,
     rates: list | None = None,
     memory: PeakMemory | None = None,
+    dashboard: DashboardProcess | None = None,
 ) -> int:
-    """Live view until the tail reaches ``args.steps``; appends (time, link bytes) samples to ``rates``
-    and samples the nodes' memory into ``memory``."""
+    """Live view until the tail reaches ``args.steps``; appends (time, link bytes) samples to ``rates``,
+    samples the nodes' memory into ``memory`` and prints ``dashboard``'s URL once it serves."""
     t0 = time.monotonic()
     interactive = sys.stdout.isatty()
     live = None
@@ -546,6 +559,8 @@ def watch(
             if memory is not None and time.monotonic() - last_memory >= MEMORY_EVERY_S:
                 memory.sample([p.pid if p.poll() is None else None for p in procs])
                 last_memory = time.monotonic()
+            if dashboard is not None:
+                dashboard.check()
             metrics = read_metrics(report, len(procs))
             done = tail_steps(metrics, args.stages)
             if rates is not None and metrics and (not rates or time.monotonic() - t0 - rates[-1][0] >= 2.0):

@@ -1,0 +1,240 @@
+"""What the dashboard shows, decided from records and metrics: pure functions, no I/O.
+
+``build_state`` turns one poll (the run record, the stage records, each peer's metrics or the
+reason it could not be read) into the JSON that ``/api/state`` serves and the page draws;
+``bottleneck`` marks the slowest stage; ``diff_events`` turns two polls' stage records into
+joins, leaves, moves and readiness changes, since the swarm publishes no event log of its own;
+``replica_distance`` estimates how far a stage's replicas have drifted apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from node.swarm.rebalance import stage_throughputs
+from protocol.records import RunRecord, StageRecord
+
+EVENTS_KEPT = 200  # the page lists the latest; a long run must not grow the state without bound
+
+Seen = dict[str, tuple[int, bool]]  # peer -> (stage, ready) at one poll
+
+
+def bottleneck(stages: list[Mapping[str, StageRecord]]) -> int | None:
+    """The stage the pipeline waits on: the lowest summed throughput of its fast peers, as the
+    rebalancer counts it (``node.swarm.rebalance.stage_throughputs``: an empty stage is 0, an
+    unmeasured peer counts as the mean). None before any stage is served.
+
+    Each stage announces the rate of its own work (a tail's includes the backward), so the tail
+    tends to look slowest; the page says which measure it marks."""
+    if not any(stages):
+        return None
+    rates = stage_throughputs(list(stages))
+    return min(range(len(rates)), key=lambda i: (rates[i], i))
+
+
+def seen(stages: list[Mapping[str, StageRecord]]) -> Seen:
+    """Who serves which stage at one poll (a peer on two stages' records: the higher one, where
+    a move lands; its old record expires within a few beats)."""
+    return {pid: (i, r.ready) for i, stage in enumerate(stages) for pid, r in stage.items()}
+
+
+def diff_events(before: Seen | None, after: Seen, t: float, known: set[str]) -> list[dict]:
+    """Events between two polls: ``join`` (a peer appears; ``rejoin`` if ``known`` has seen it
+    before, e.g. a restarted node with its identity), ``leave`` (its record expired), ``move``
+    (its stage changed: a rebalance), ``ready`` / ``not ready``. The first poll reports nothing:
+    a dashboard started mid-run did not see those peers join."""
+    if before is None:
+        return []
+    out = []
+    for pid in sorted(after.keys() - before.keys()):
+        out.append(_event(t, "rejoin" if pid in known else "join", pid, after[pid][0]))
+    for pid in sorted(before.keys() - after.keys()):
+        out.append(_event(t, "leave", pid, before[pid][0]))
+    for pid in sorted(after.keys() & before.keys()):
+        (s0, r0), (s1, r1) = before[pid], after[pid]
+        if s0 != s1:
+            out.append({**_event(t, "move", pid, s1), "from": s0})
+        elif r0 != r1:
+            out.append(_event(t, "ready" if r1 else "not ready", pid, s1))
+    return out
+
+
+def reach(maddrs: list[str]) -> str:
+    """How a peer is reached, from the addresses its record announces: through a relay
+    (``/p2p-circuit``), directly, or unknown (it announced none)."""
+    if any("/p2p-circuit" in a for a in maddrs):
+        return "relayed"
+    return "direct" if maddrs else "unknown"
+
+
+def _event(t: float, kind: str, peer: str, stage: int) -> dict:
+    return {"time": t, "kind": kind, "peer": peer, "stage": stage}
+
+
+def dense_bytes_per_token(run: RunRecord) -> int:
+    """What one token's hidden state costs on a dense link in the run's wire dtype (bf16: 2 B a
+    channel); the link table compares each codec against it."""
+    width = 4 if run.codec.get("wire_dtype") == "float32" else 2
+    return run.hidden * width
+
+
+def link_rows(nodes: Mapping[str, dict], run: RunRecord) -> list[dict]:
+    """Bytes per token of each boundary and direction, summed over the fast nodes that sent them,
+    against dense."""
+    total: dict[tuple[int, str], list[int]] = {}
+    for m in nodes.values():
+        if m.get("circuit", "fast") != "fast":
+            continue
+        for lk in m["links"]:
+            c = total.setdefault((lk["boundary"], lk["direction"]), [0, 0])
+            c[0] += lk["bytes"]
+            c[1] += lk["tokens"]
+    dense = dense_bytes_per_token(run)
+    return [
+        {
+            "boundary": b,
+            "direction": d,
+            "bytes": n,
+            "tokens": t,
+            "bytes_per_token": n / t if t else None,
+            "dense_bytes_per_token": dense,
+            "ratio": (n / t) / dense if t and dense else None,
+        }
+        for (b, d), (n, t) in sorted(total.items())
+    ]
+
+
+def replica_distance(nodes: Mapping[str, dict]) -> dict[int, float]:
+    """Per stage with two or more fast replicas, the largest estimated L2 distance between two of
+    their weight vectors: sqrt(P / n · Σ (a_i − b_i)²) over the n coordinates every replica samples
+    alike (``node.watch.probe``). Pairs whose samples do not match in P or n are left out."""
+    by_stage: dict[int, list[dict]] = {}
+    for m in nodes.values():
+        if m.get("circuit", "fast") == "fast" and m.get("probe"):
+            by_stage.setdefault(m["stage"], []).append(m)
+    out = {}
+    for stage, ms in sorted(by_stage.items()):
+        dists = [
+            (a["probe_size"] / len(a["probe"]) * sum((x - y) ** 2 for x, y in zip(a["probe"], b["probe"])))
+            ** 0.5
+            for i, a in enumerate(ms)
+            for b in ms[i + 1 :]
+            if a["probe_size"] == b["probe_size"] and len(a["probe"]) == len(b["probe"])
+        ]
+        if dists:
+            out[stage] = max(dists)
+    return out
+
+
+def run_view(run: RunRecord) -> dict:
+    """The run's description as the page shows it."""
+    return {
+        "run_id": run.run_id,
+        "model": run.model_name,
+        "mode": run.mode,
+        "layers": run.num_layers,
+        "hidden": run.hidden,
+        "stages": run.stages,
+        "codec": run.codec,
+        "dense_every": run.dense_every,
+        "dp": {
+            "mode": run.dp.mode,
+            "outer_every": run.outer.every,
+            "outer_mode": run.outer.mode,
+            "powersgd_rank": run.outer.rank,
+            "group_size": run.outer.group_size,
+        },
+        "batch_tokens": run.batch_tokens,
+        "protocol": run.protocol,
+        "keyed": bool(run.key_id),
+    }
+
+
+def build_state(
+    run: RunRecord | None,
+    stages: list[Mapping[str, StageRecord]],
+    nodes: Mapping[str, dict],
+    unreachable: Mapping[str, str],
+    events: list[dict],
+    t: float,
+    tokens_per_s: float | None = None,
+) -> dict:
+    """The JSON of ``/api/state``: ``nodes`` holds each reachable peer's metrics
+    (``node.watch.stream.parse_reply``), ``unreachable`` why the others could not be read;
+    ``tokens_per_s``: the tails' trained tokens per second between the last two polls."""
+    if run is None:
+        return {
+            "time": t,
+            "run": None,
+            "stages": [],
+            "events": events[-EVENTS_KEPT:],
+            "error": "no run record",
+        }
+    neck = bottleneck(stages)
+    rates = stage_throughputs(list(stages)) if stages else []
+    view = []
+    for i, stage in enumerate(stages):
+        peers = []
+        for pid, r in sorted(stage.items()):
+            m = nodes.get(pid)
+            peers.append(
+                {
+                    "peer": pid,
+                    "circuit": r.circuit,
+                    "ready": r.ready,
+                    "throughput": r.throughput,
+                    "queue": r.queue,
+                    "inner_step": r.inner_step,
+                    "reachable": m is not None,
+                    "error": unreachable.get(pid, ""),
+                    "device": m["device"] if m else "",
+                    "memory": m["memory_rss"] if m else 0,
+                    "reach": reach(r.maddrs),
+                    "maddrs": r.maddrs[:3],
+                }
+            )
+        start, end = run.stages[i] if i < len(run.stages) else (0, 0)
+        view.append(
+            {
+                "index": i,
+                "layers": [start, end],
+                "throughput": rates[i],
+                "bottleneck": i == neck,
+                "peers": peers,
+            }
+        )
+    tails = {pid: m for pid, m in nodes.items() if m["role"] == "tail" and m.get("circuit", "fast") == "fast"}
+    fast = [m for m in nodes.values() if m.get("circuit", "fast") == "fast"]
+    distances = replica_distance(nodes)
+    return {
+        "time": t,
+        "run": run_view(run),
+        "bottleneck": neck,
+        "stages": view,
+        "loss": {
+            pid: {"first_step": m["losses_first"], "values": m["losses"]} for pid, m in sorted(tails.items())
+        },
+        "training": {
+            "tokens": sum(m["trained_tokens"] for m in tails.values()),
+            "tokens_per_s": tokens_per_s,
+            "dropped_microbatches": sum(m["dropped_microbatches"] for m in nodes.values()),
+            "rejected_frames": sum(m["rejected_frames"] for m in nodes.values()),
+            "inner_step": max((m["inner_step"] for m in tails.values()), default=0),
+            "eval_loss": None,  # nodes do not evaluate while they train; `swarm --eval` scores after
+        },
+        "links": link_rows(nodes, run),
+        "dp": {
+            "mode": run.dp.mode,
+            "outer_every": run.outer.every,
+            "committed": sum(m["outer_committed"] for m in fast),
+            "skipped": sum(m["outer_skipped"] for m in fast),
+            "bytes": sum(m["outer_bytes"] for m in fast),
+            "dense_bytes": sum(m["outer_dense_bytes"] for m in fast),
+            # estimated from a sample of each replica's weights; the run's report measures it exactly
+            "replica_distance": max(distances.values(), default=None),
+            "replica_distance_by_stage": {str(k): v for k, v in distances.items()},
+        },
+        "nodes": dict(sorted(nodes.items())),
+        "unreachable": dict(sorted(unreachable.items())),
+        "events": events[-EVENTS_KEPT:],
+    }
