@@ -209,6 +209,11 @@ class StageRuntime(Lifecycle):
             "resumed_from": self.resumed_from,
             "basis_bytes_served": bases.bytes_served if bases else 0,
             "throughput": self.pipeline.throughput,
+            "reachability": self.reachability,  # direct | nat (node.net.reach)
+            "reverse": {  # behind NAT: connections opened to the peers that call us, and re-opened
+                "dials": self.reverser.dials if self.reverser else 0,
+                "redials": self.reverser.redials if self.reverser else 0,
+            },
             "compute_s": self.compute.seconds,
             "links": m.links_list(),
             "peers": {str(s): sorted(r) for s, r in enumerate(self.routes)},
