@@ -378,8 +378,9 @@ def check_nat_support() -> None:
         p = _run(["ip", "netns", "add", name], check=False)
         if p.returncode != 0:
             raise NetnsUnavailable(f"cannot create a network namespace: {p.stderr.strip()[:200]}")
-        rules = "table ip probe { chain post { type nat hook postrouting priority 100; masquerade; } }"
-        p = _run(["ip", "netns", "exec", name, "nft", rules], check=False)
+        p = subprocess.run(
+            ["ip", "netns", "exec", name, "nft", "-f", "-"], input=NAT_RULES, capture_output=True, text=True
+        )
         if p.returncode != 0:
             raise NetnsUnavailable(f"nftables cannot masquerade here: {p.stderr.strip()[:200]}")
     finally:

@@ -150,8 +150,9 @@ class Lifecycle:
         return await self.reverser.keep(maddrs)
 
     async def reverse_loop(self) -> None:
-        """``keep_reversed`` every heartbeat, on the routes the heartbeat refreshed (a loop of its
-        own: a dead connection's probe and dial must not hold the heartbeat up)."""
+        """``keep_reversed`` every half heartbeat (node.swarm.reverse says why), on the routes the
+        heartbeat refreshed (a loop of its own: a dead connection's probe and dial must not hold
+        the heartbeat up)."""
         ctx = self.ctx
         while not ctx.stop.is_set():
             try:
@@ -159,7 +160,7 @@ class Lifecycle:
             except Exception as e:  # the daemon busy or restarting: again next beat
                 log.info("keeping the reversed connections failed: %s", e)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(ctx.stop.wait(), ctx.cfg.heartbeat_s)
+                await asyncio.wait_for(ctx.stop.wait(), ctx.cfg.heartbeat_s / 2)
 
     async def maybe_move(self) -> None:
         """Every few beats: if another stage needs this node more (``choose_move``), leave for it.

@@ -213,6 +213,8 @@ class StageRuntime(Lifecycle):
             "reverse": {  # behind NAT: connections opened to the peers that call us, and re-opened
                 "dials": self.reverser.dials if self.reverser else 0,
                 "redials": self.reverser.redials if self.reverser else 0,
+                "kept": self.reverser.kept if self.reverser else 0,
+                "last_dial": self.reverser.last_dial if self.reverser else 0.0,
             },
             "compute_s": self.compute.seconds,
             "links": m.links_list(),

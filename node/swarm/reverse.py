@@ -11,15 +11,18 @@ with a reset, the node's own packets are dropped as invalid, and nobody could di
 Left alone, a run whose tail is behind NAT stopped for good after such a reset (every microbatch
 dropped at the head, the tail's record expired).
 
-So every heartbeat (``keep``), for each peer ``routing.must_call_me`` names:
+So every half heartbeat (``keep``), for each peer ``routing.must_call_me`` names:
 
 * not connected: dial it at the addresses its stage record announces;
-* connected, and a stream from it began within the last beat (``Wire.heard``): nothing to do;
+* connected, and a stream from it began within the last half beat (``Wire.heard``): nothing to do;
 * connected but quiet: ask it "are you there?" on a new stream (``net/alive``, which rides the
-  same connection) within one beat; no answer: the connection is dead (its mapping is gone),
-  so close it and dial again.
+  same connection) within one beat (at least a second); no answer: the connection is dead (its
+  mapping is gone), so close it and dial again.
 
-A node whose NAT mapping was lost thus serves again within about two heartbeats.
+A node whose NAT mapping was lost thus dials again within about two heartbeats of the loss: half
+a beat until its loop next runs, half a beat until a busy peer's last stream is old enough, one
+beat of probe. (In namespaces, heartbeat 1 s: the head completed microbatches again 3-4 s after
+the gateway's uplink bounced, its own back-off after a drop included; tests/test_nat.py.)
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ class Reverser:
         self.probe_s = min(max(beat_s, 1.0), ANSWER_S)  # a beat, but at least a second
         self.dials = 0  # connections opened (the first one to each peer included)
         self.redials = 0  # dead connections closed and opened again
+        self.kept = 0  # peers that call us connected after the last beat
+        self.last_dial = 0.0  # wall-clock time of the last connection opened (metrics, tests)
         self._warned: dict[str, float] = {}
 
     async def connected(self) -> set[str]:
@@ -78,11 +83,14 @@ class Reverser:
         dialled; returns the peers connected after it."""
         now = await self.connected()
         ok = await asyncio.gather(*(self._keep_one(p, a, p in now) for p, a in sorted(targets.items())))
-        return {p for p, good in zip(sorted(targets), ok) if good}
+        kept = {p for p, good in zip(sorted(targets), ok) if good}
+        self.kept = len(kept)
+        return kept
 
     async def _keep_one(self, peer: str, maddrs: list[str], connected: bool) -> bool:
         if connected:
-            if self.wire.heard_within(peer, self.beat_s) or await self.probe(self.p2p, peer, self.probe_s):
+            quiet = not self.wire.heard_within(peer, self.beat_s / 2)
+            if not quiet or await self.probe(self.p2p, peer, self.probe_s):
                 return True
             # connected in p2pd's view, yet silent: the NAT lost the mapping under it
             log.warning("the connection to %s stopped answering; dialling it again", peer[:12])
@@ -111,7 +119,9 @@ class Reverser:
                 )
             return False
         self.dials += 1
+        self.last_dial = time.time()
         self._warned.pop(peer, None)
+        log.info("behind NAT: connected to %s, which sends this node work", peer[:12])
         return True
 
 
