@@ -121,7 +121,7 @@ class Reverser:
         self.dials += 1
         self.last_dial = time.time()
         self._warned.pop(peer, None)
-        log.info("behind NAT: connected to %s, which sends this node work", peer[:12])
+        log.info("behind NAT: connected to %s, a peer that calls this node", peer[:12])
         return True
 
 
