@@ -503,13 +503,15 @@ class NatTopology:
         if p.returncode != 0:
             raise RuntimeError(f"nft: {p.stderr.strip()[:300]}")
 
-    def bounce_uplink(self, down_s: float = 0.5) -> None:
+    def bounce_uplink(self, down_s: float = 0.5) -> float:
         """The gateway's uplink goes down and up: masquerade forgets every mapping through it (the
         kernel drops the conntrack entries NAT'd to a device that goes down), as a router reboot
-        or a DSL resync does; the home side's connections are then dead, not merely paused."""
+        or a DSL resync does; the home side's connections are then dead, not merely paused.
+        Returns the wall-clock time the uplink was up again."""
         _run(["ip", "-n", self.gw_ns, "link", "set", "up0", "down"])
         time.sleep(down_s)
         _run(["ip", "-n", self.gw_ns, "link", "set", "up0", "up"])
+        return time.time()
 
     def tcp_connects(self, from_ns: str, host: str, port: int, timeout_s: float = 3.0) -> bool:
         """Whether a plain TCP connect from namespace ``from_ns`` to host:port completes."""

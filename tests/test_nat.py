@@ -113,9 +113,9 @@ def _wait(cond, timeout: float, what: str, *nodes: Node):
 
 
 def _after_bounce(topo, head: Node, home: Node, deadline_s: float) -> tuple[float, float | None, int]:
-    """Bounce the gateway's uplink. Returns (its wall time, seconds until the head has completed
-    ``FLOWING`` microbatches more than it had a heartbeat after it or None if not within
-    ``deadline_s``, the head's drops since the bounce).
+    """Bounce the gateway's uplink. Returns (the wall time it was up again; seconds until the head
+    has completed ``FLOWING`` microbatches more than it had a heartbeat after the bounce, or None
+    if not within ``deadline_s``; the head's drops since the bounce).
 
     Counted at the head, from a metrics file written after that heartbeat (its ``time``): a file
     is written every heartbeat, and a heartbeat that waited on the dead connection writes late,
@@ -123,7 +123,7 @@ def _after_bounce(topo, head: Node, home: Node, deadline_s: float) -> tuple[floa
     in fact stopped)."""
     dropped = head.metrics()["dropped_microbatches"]
     t_wall = time.time()
-    topo.bounce_uplink(down_s=0.2)
+    up = topo.bounce_uplink(down_s=0.2)
     t0 = time.monotonic()
     before, took = None, None
     while time.monotonic() - t0 < deadline_s:
@@ -135,7 +135,7 @@ def _after_bounce(topo, head: Node, home: Node, deadline_s: float) -> tuple[floa
             break
         assert home.proc.poll() is None and head.proc.poll() is None, home.tail() + head.tail()
         time.sleep(0.1)
-    return t_wall, took, head.metrics()["dropped_microbatches"] - dropped
+    return up, took, head.metrics()["dropped_microbatches"] - dropped
 
 
 @pytest.fixture
@@ -183,8 +183,8 @@ def test_node_behind_nat_serves_a_stage(topo, tmp_path):
         assert took is not None, f"did not serve again after the uplink bounce:\n{home.tail()}"
         r = home.metrics()["reverse"]
         assert r["redials"] >= 1, r  # its probe found the dead connection: nobody else would
-        # dialled again within 2 heartbeats of the bounce (what this node controls; the head then
-        # needs its own hop retry and a DHT read before it routes to it again: `took`)
+        # dialled again within 2 heartbeats of the uplink's return (what this node controls; the head
+        # then needs its own hop retry and a DHT read before it routes to it again: `took`)
         assert r["last_dial"] - bounced <= 2 * HEARTBEAT_S, (r, bounced)
         assert took <= 10.0, f"the head completed microbatches again only {took:.1f}s after the bounce"
         assert lost <= MAX_INFLIGHT, f"{lost} microbatches dropped: more than were in flight"
