@@ -37,7 +37,7 @@ from node.model.loading import (
     open_pretrain_model,
 )
 from node.model.stages import default_stage_ranges
-from node.net.reach import ask_many, decide
+from node.net.reach import addresses_for, ask_many, decide
 from node.net.wire import Wire
 from node.runtime import StageRuntime
 from node.stage.basis import (
@@ -255,19 +255,25 @@ def find_reachability(cfg: NodeConfig, dht, run: RunRecord | None, maddrs: list[
         mode, why = decide(cfg.reachability, [], bool(cfg.peers))
         log.info("reachability: %s (%s)", mode, why)
         return mode
-    asked = [p.rsplit("/p2p/", 1)[1] for p in cfg.peers]
+    known: dict[str, list[str]] = {}  # peer id -> the addresses we know it by
+    for p in cfg.peers:
+        addr, _, peer = p.rpartition("/p2p/")
+        known.setdefault(peer, []).append(addr)
     if run is not None:
         for stage in read_stage_records_sync(dht, run.run_id, len(run.stages)):
-            asked += [p for p, r in sorted(stage.items()) if r.ready and p not in asked]
-    own = dht.peer_id.to_base58()
-    asked = [p for p in dict.fromkeys(asked) if p != own]
+            for p, r in sorted(stage.items()):
+                if r.ready and p not in known:
+                    known[p] = r.maddrs
+    known.pop(dht.peer_id.to_base58(), None)
+    own = dialable(maddrs)
+    questions = [(p, addresses_for(own, dialable(a))) for p, a in known.items()]
 
     async def ask() -> list:
         # a replica of the DHT's daemon, for these few streams only (the node's own comes later,
         # in its serving loop; hivemind's cached replica would be bound to this loop)
         p2p = await P2P.replicate(dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr))
         try:
-            return await ask_many(p2p, Wire(key), asked, cfg.run_id, dialable(maddrs))
+            return await ask_many(p2p, Wire(key), questions, cfg.run_id)
         finally:
             await p2p.shutdown()
 

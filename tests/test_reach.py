@@ -54,6 +54,18 @@ def test_tcp_targets_and_dialable_addresses():
     ]
 
 
+def test_loopback_addresses_are_asked_only_of_peers_on_loopback():
+    own = ["/ip4/127.0.0.1/tcp/5", "/ip4/10.0.0.2/tcp/5"]
+    assert reach.addresses_for(own, ["/ip4/10.0.0.1/tcp/1"]) == ["/ip4/10.0.0.2/tcp/5"]
+    assert reach.addresses_for(own, ["/ip4/127.0.0.1/tcp/1"]) == own  # a local swarm
+    assert reach.addresses_for(["/ip4/127.0.0.1/tcp/5"], ["/ip4/203.0.113.7/tcp/1"]) == []
+
+    async def main():  # nothing to ask: a "no" without a question (no daemon is touched)
+        return await reach.ask_many(None, Wire(), [("QmX", [])], "r")
+
+    assert asyncio.run(main()) == [False]
+
+
 def test_a_question_names_one_to_four_addresses():
     q = reach.question("r", [f"/ip4/10.0.0.{i}/tcp/1" for i in range(9)])
     assert reach.addresses_of(q) == [f"/ip4/10.0.0.{i}/tcp/1" for i in range(reach.MAX_ADDRS)]

@@ -121,13 +121,29 @@ async def ask(
     return any(replies[0].meta.get(f"r{i}") == 1 for i in range(min(len(maddrs), MAX_ADDRS)))
 
 
+def is_loopback(maddr: str) -> bool:
+    target = tcp_target(maddr)
+    return target is not None and (target[0].startswith("127.") or target[0] in ("::1", "localhost"))
+
+
+def addresses_for(own: Sequence[str], peer: Sequence[str]) -> list[str]:
+    """Which of our addresses a peer known at ``peer`` (its maddrs) can usefully dial back: a
+    loopback address only when the peer is on loopback too. From another machine, 127.0.0.1 is
+    that machine's own loopback, where a node listening on the same port would answer for us."""
+    local = bool(peer) and all(is_loopback(a) for a in peer)
+    return [a for a in own if local or not is_loopback(a)]
+
+
 async def ask_many(
-    p2p, wire: Wire, peers: Sequence[str], run_id: str, maddrs: Sequence[str], timeout: float = ASK_S
+    p2p, wire: Wire, questions: Sequence[tuple[str, Sequence[str]]], run_id: str, timeout: float = ASK_S
 ) -> list[bool | None]:
-    """``ask`` up to ``MAX_ASKED`` peers at once; their answers in order."""
-    return list(
-        await asyncio.gather(*(ask(p2p, wire, p, run_id, maddrs, timeout) for p in peers[:MAX_ASKED]))
-    )
+    """``ask`` up to ``MAX_ASKED`` (peer, addresses) at once; their answers in order. A peer with no
+    address to try (ours are all loopback, it is not) is a "no" without a question."""
+
+    async def one(peer: str, addrs: Sequence[str]) -> bool | None:
+        return await ask(p2p, wire, peer, run_id, addrs, timeout) if addrs else False
+
+    return list(await asyncio.gather(*(one(p, a) for p, a in questions[:MAX_ASKED])))
 
 
 def decide(mode: str, answers: Sequence[bool | None], has_peers: bool) -> tuple[str, str]:
@@ -161,8 +177,10 @@ __all__ = [
     "DialBack",
     "answer",
     "ask",
+    "addresses_for",
     "ask_many",
     "decide",
+    "is_loopback",
     "tcp_reachable",
     "tcp_target",
 ]
