@@ -361,3 +361,212 @@ def leftover_namespaces() -> list[str]:
     """Namespaces named like ours (for the tests: the harness must leave none behind)."""
     p = _run(["ip", "netns", "list"], check=False)
     return [line.split()[0] for line in p.stdout.splitlines() if line.startswith(NET_PREFIX)]
+
+
+# ---------------------------------------------------------------------------------------------- NAT
+NAT_PREFIX = "vnat"  # every namespace NatTopology creates starts with it
+
+
+def check_nat_support() -> None:
+    """``check_support``, and nftables able to masquerade inside a namespace: NetnsUnavailable says
+    which part is missing."""
+    check_support()
+    if shutil.which("nft") is None:
+        raise NetnsUnavailable("`nft` (nftables) is not installed: apt-get install nftables")
+    name = f"{NAT_PREFIX}{os.getpid()}-probe"
+    try:
+        p = _run(["ip", "netns", "add", name], check=False)
+        if p.returncode != 0:
+            raise NetnsUnavailable(f"cannot create a network namespace: {p.stderr.strip()[:200]}")
+        p = subprocess.run(
+            ["ip", "netns", "exec", name, "nft", "-f", "-"], input=NAT_RULES, capture_output=True, text=True
+        )
+        if p.returncode != 0:
+            raise NetnsUnavailable(f"nftables cannot masquerade here: {p.stderr.strip()[:200]}")
+    finally:
+        _run(["ip", "netns", "del", name], check=False)
+
+
+# The gateway of a home network: masquerade out of the uplink, and a forward chain that lets in
+# only what belongs to a connection the home side opened (a home router with no forwarded port).
+# A mid-stream packet of a connection the gateway no longer tracks is invalid, not new, and is
+# dropped (nf_conntrack_tcp_loose=0, set below), as a router that lost its mappings does.
+NAT_RULES = """
+table ip vnat {
+  chain postrouting { type nat hook postrouting priority 100; oifname "up0" masquerade; }
+  chain forward {
+    type filter hook forward priority 0; policy drop;
+    ct state established,related accept
+    iifname "home0" oifname "up0" ct state new accept
+  }
+}
+"""
+
+
+@dataclass
+class NatTopology:
+    """Public peers on a bridge, and one home network behind a NAT gateway:
+
+        ns <p>-pub:  bridge br0 (the public segment 10.<net>.0.0/24)
+        ns <p>-a<i>: eth0 = 10.<net>.0.<10+i>            public peer i (route to the home net via the gw)
+        ns <p>-gw:   up0 = 10.<net>.0.1, home0 = 10.<net>.1.1   nftables NAT_RULES
+        ns <p>-home: eth0 = 10.<net>.1.10, default route via the gw
+
+    The public peers get a route to the home network on purpose: what stops them is the gateway's
+    forward chain, not a missing route. ``rate_bps``: tbf on the home link (both ends) and on each
+    public peer's link, as ``Topology`` shapes its veths; 0 leaves them unshaped.
+    """
+
+    n_public: int
+    rate_bps: float = 0.0
+    latency_ms: int = 50
+    tag: str = field(default_factory=lambda: str(os.getpid() % 100000))
+    net: int = field(default_factory=lambda: 100 + os.getpid() % 100)
+    created: list[str] = field(default_factory=list)
+
+    def ns(self, name: str) -> str:
+        return f"{NAT_PREFIX}{self.tag}-{name}"
+
+    def public_ns(self, i: int) -> str:
+        return self.ns(f"a{i}")
+
+    @property
+    def home_ns(self) -> str:
+        return self.ns("home")
+
+    @property
+    def gw_ns(self) -> str:
+        return self.ns("gw")
+
+    def public_addr(self, i: int) -> str:
+        return f"10.{self.net}.0.{10 + i}"
+
+    @property
+    def home_addr(self) -> str:
+        return f"10.{self.net}.1.10"
+
+    @property
+    def gw_public_addr(self) -> str:
+        return f"10.{self.net}.0.1"
+
+    def exec_prefix(self, ns: str) -> list[str]:
+        return ["ip", "netns", "exec", ns]
+
+    def _add(self, name: str) -> str:
+        ns = self.ns(name)
+        _run(["ip", "netns", "add", ns])
+        self.created.append(ns)
+        _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        return ns
+
+    def _veth(self, ns_a: str, dev_a: str, ns_b: str, dev_b: str) -> None:
+        _run(["ip", "-n", ns_a, "link", "add", dev_a, "type", "veth", "peer", "name", dev_b, "netns", ns_b])
+
+    def _shape(self, ns: str, dev: str) -> None:
+        if self.rate_bps:
+            rate, burst = tc_rate(self.rate_bps), str(tbf_burst_bytes(self.rate_bps))
+            tbf = ["tbf", "rate", rate, "burst", burst, "latency", f"{self.latency_ms}ms"]
+            _run(self.exec_prefix(ns) + ["tc", "qdisc", "add", "dev", dev, "root", *tbf])
+
+    def build(self) -> None:
+        pub = self._add("pub")
+        _run(["ip", "-n", pub, "link", "add", "br0", "type", "bridge"])
+        _run(["ip", "-n", pub, "link", "set", "br0", "up"])
+        home_net = f"10.{self.net}.1.0/24"
+        gw = self.ns("gw")
+        nodes = [(f"a{i}", "eth0", self.public_addr(i), f"p{self.tag}a{i}") for i in range(self.n_public)]
+        for name, dev, addr, port in [*nodes, ("gw", "up0", self.gw_public_addr, f"p{self.tag}gw")]:
+            ns = self._add(name)
+            self._veth(pub, port, ns, dev)
+            _run(["ip", "-n", pub, "link", "set", port, "master", "br0"])
+            _run(["ip", "-n", pub, "link", "set", port, "up"])
+            _run(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev])
+            _run(["ip", "-n", ns, "link", "set", dev, "up"])
+            if name != "gw":
+                _run(["ip", "-n", ns, "route", "add", home_net, "via", self.gw_public_addr])
+                self._shape(ns, dev)
+                self._shape(pub, port)
+        home = self._add("home")
+        self._veth(gw, "home0", home, "eth0")
+        _run(["ip", "-n", gw, "addr", "add", f"10.{self.net}.1.1/24", "dev", "home0"])
+        _run(["ip", "-n", gw, "link", "set", "home0", "up"])
+        _run(["ip", "-n", home, "addr", "add", f"{self.home_addr}/24", "dev", "eth0"])
+        _run(["ip", "-n", home, "link", "set", "eth0", "up"])
+        _run(["ip", "-n", home, "route", "add", "default", "via", f"10.{self.net}.1.1"])
+        self._shape(home, "eth0")
+        self._shape(gw, "home0")
+        _run(self.exec_prefix(gw) + ["sysctl", "-qw", "net.ipv4.ip_forward=1"])
+        _run(self.exec_prefix(gw) + ["sysctl", "-qw", "net.netfilter.nf_conntrack_tcp_loose=0"], check=False)
+        p = subprocess.run(
+            self.exec_prefix(gw) + ["nft", "-f", "-"], input=NAT_RULES, capture_output=True, text=True
+        )
+        if p.returncode != 0:
+            raise RuntimeError(f"nft: {p.stderr.strip()[:300]}")
+
+    def bounce_uplink(self, down_s: float = 0.5) -> float:
+        """The gateway's uplink goes down and up: masquerade forgets every mapping through it (the
+        kernel drops the conntrack entries NAT'd to a device that goes down), as a router reboot
+        or a DSL resync does; the home side's connections are then dead, not merely paused.
+        Returns the wall-clock time the uplink was up again."""
+        _run(["ip", "-n", self.gw_ns, "link", "set", "up0", "down"])
+        time.sleep(down_s)
+        _run(["ip", "-n", self.gw_ns, "link", "set", "up0", "up"])
+        return time.time()
+
+    def tcp_connects(self, from_ns: str, host: str, port: int, timeout_s: float = 3.0) -> bool:
+        """Whether a plain TCP connect from namespace ``from_ns`` to host:port completes."""
+        code = (
+            "import socket,sys\n"
+            f"s=socket.socket();s.settimeout({timeout_s})\n"
+            f"sys.exit(0 if s.connect_ex(('{host}',{port}))==0 else 1)\n"
+        )
+        p = subprocess.run(self.exec_prefix(from_ns) + [sys.executable, "-c", code], timeout=timeout_s + 30)
+        return p.returncode == 0
+
+    def conntrack_flows(self) -> list[dict[str, str]] | None:
+        """The gateway's tracked TCP flows (original direction: src, dst, sport, dport); None without
+        the `conntrack` tool."""
+        if shutil.which("conntrack") is None:
+            return None
+        p = _run(self.exec_prefix(self.gw_ns) + ["conntrack", "-L", "-p", "tcp"], check=False)
+        flows = []
+        for line in p.stdout.splitlines():
+            kv: dict[str, str] = {}
+            for tok in line.split():
+                k, eq, v = tok.partition("=")
+                if eq and k not in kv:  # the first src/dst/sport/dport are the original direction's
+                    kv[k] = v
+            if "src" in kv:
+                flows.append(kv)
+        return flows
+
+    def pids(self) -> set[int]:
+        out: set[int] = set()
+        for ns in self.created:
+            p = _run(["ip", "netns", "pids", ns], check=False, timeout=180.0)
+            out |= {int(x) for x in p.stdout.split() if x.strip().isdigit()}
+        return out
+
+    def teardown(self) -> None:
+        """End every process inside our namespaces (all started by us), then delete them."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            found = self.pids() - {os.getpid()}
+            for pid in found:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + 5.0
+            while found and time.monotonic() < deadline:
+                time.sleep(0.2)
+                found = self.pids() - {os.getpid()}
+            if not found:
+                break
+        for ns in reversed(self.created):
+            _run(["ip", "netns", "del", ns], check=False)
+        self.created.clear()
+
+
+def leftover_nat_namespaces() -> list[str]:
+    p = _run(["ip", "netns", "list"], check=False)
+    return [line.split()[0] for line in p.stdout.splitlines() if line.startswith(NAT_PREFIX)]

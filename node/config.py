@@ -158,6 +158,15 @@ class NodeConfig:
     use_auto_relay: bool = opt(
         False, help="look for relays automatically and announce relayed addresses (behind NAT)", group=NET
     )
+    reachability: str = opt(
+        "auto",
+        help="auto: peers dial this node back at start and it runs behind-NAT mode if they cannot; "
+        "direct: peers can dial it (a public address or a forwarded port); nat: it cannot be dialled, "
+        "so it dials the peers that send it work and keeps those connections open (default: "
+        "%(default)s)",
+        choices=("auto", "direct", "nat"),
+        group=NET,
+    )  # node.net.reach decides, node.swarm.reverse keeps the connections
     p2pd_timeout: float = opt(
         15.0, help="seconds to wait for the p2p daemon to start (default: %(default)s)", above=0, group=NET
     )  # p2pd start-up; the most common failure of hivemind swarms

@@ -19,6 +19,8 @@ import time
 import zlib
 
 import torch
+from hivemind import DHT
+from hivemind.p2p import P2P
 
 from node.config import NodeConfig, run_parts
 from node.dp.diloco import OuterSync
@@ -35,6 +37,7 @@ from node.model.loading import (
     open_pretrain_model,
 )
 from node.model.stages import default_stage_ranges
+from node.net.reach import addresses_for, ask_many, decide
 from node.net.wire import Wire
 from node.runtime import StageRuntime
 from node.stage.basis import (
@@ -58,7 +61,8 @@ from node.swarm.membership import (
     store_stage_record,
     store_stage_record_sync,
 )
-from node.swarm.routing import choose_stage
+from node.swarm.reverse import dialable
+from node.swarm.routing import choose_stage, unreachable_neighbour
 from protocol.auth import SwarmKeyError, key_id, load_swarm_key
 from protocol.records import RunRecord, StageRecord
 
@@ -188,9 +192,22 @@ def stages_that_fit(cfg: NodeConfig, mem: list[dict[str, int]], on_cpu: bool = F
     return fits
 
 
-def claim_stage(cfg: NodeConfig, dht, run: RunRecord, peer_id: str, fits: set[int] | None = None) -> int:
+def claim_stage(
+    cfg: NodeConfig,
+    dht,
+    run: RunRecord,
+    peer_id: str,
+    fits: set[int] | None = None,
+    reachability: str = "direct",
+) -> int:
+    """The stage this node serves, claimed in the DHT at once (not ready yet). Behind NAT
+    (``reachability`` nat) it refuses a stage next to one served only by nodes behind NAT."""
     n = len(run.stages)
     fits = set(range(n)) if fits is None else fits
+    behind_nat = reachability == "nat"
+    records = read_stage_records_sync(dht, run.run_id, n)
+    for stage in records:  # a restarted node's record from its last life is not a live replica
+        stage.pop(peer_id, None)
     limits = " and ".join(
         f"{flag} {gb:g} GiB"
         for flag, gb in (("--max-memory", cfg.max_memory_gb), ("--max-host-memory", cfg.max_host_memory_gb))
@@ -211,13 +228,65 @@ def claim_stage(cfg: NodeConfig, dht, run: RunRecord, peer_id: str, fits: set[in
                 f"stages that fit: {sorted(fits)}"
             )
     else:
-        records = read_stage_records_sync(dht, run.run_id, n)
-        for stage in records:  # a restarted node's record from its last life is not a live replica
-            stage.pop(peer_id, None)
-        index = choose_stage(records, cfg.circuit, allowed=fits)
+        served = {i for i in fits if unreachable_neighbour(records, i, peer_id, cfg.circuit) is None}
+        index = choose_stage(records, cfg.circuit, allowed=served if behind_nat and served else fits)
+    if behind_nat:
+        cut = unreachable_neighbour(records, index, peer_id, cfg.circuit)
+        if cut is not None:
+            raise JoinError(
+                f"this node is behind NAT and so is every node of stage {cut}, next to stage {index}: "
+                "neither can open a connection to the other, so no frame could cross. Forward a TCP "
+                "port on your router to this machine (--port P --host 0.0.0.0 --announce-maddr "
+                "/ip4/PUBLIC_IP/tcp/P --reachability direct), or join when a reachable node serves "
+                f"stage {cut}"
+            )
     # publish the claim at once (not ready yet) so the next joiner sees this stage as taken
-    store_stage_record_sync(dht, run.run_id, index, peer_id, StageRecord(circuit=cfg.circuit, ready=False))
+    reach = "reverse" if behind_nat else "direct"
+    store_stage_record_sync(
+        dht, run.run_id, index, peer_id, StageRecord(circuit=cfg.circuit, ready=False, reach=reach)
+    )
     return index
+
+
+def find_reachability(cfg: NodeConfig, dht, run: RunRecord | None, maddrs: list[str], key) -> str:
+    """``direct`` or ``nat`` (node.net.reach.decide): with ``--reachability auto``, up to five peers
+    (the bootstrap peers first, then ready peers of the run) are asked to dial ``maddrs`` back."""
+    if cfg.reachability != "auto" or not cfg.peers:
+        mode, why = decide(cfg.reachability, [], bool(cfg.peers))
+        log.info("reachability: %s (%s)", mode, why)
+        return mode
+    known: dict[str, list[str]] = {}  # peer id -> the addresses we know it by
+    for p in cfg.peers:
+        addr, _, peer = p.rpartition("/p2p/")
+        known.setdefault(peer, []).append(addr)
+    if run is not None:
+        for stage in read_stage_records_sync(dht, run.run_id, len(run.stages)):
+            for p, r in sorted(stage.items()):
+                if r.ready and p not in known:
+                    known[p] = r.maddrs
+    known.pop(dht.peer_id.to_base58(), None)
+    own = dialable(maddrs)
+    questions = [(p, addresses_for(own, dialable(a))) for p, a in known.items()]
+
+    async def ask() -> list:
+        # a replica of the DHT's daemon, for these few streams only (the node's own comes later,
+        # in its serving loop; hivemind's cached replica would be bound to this loop)
+        p2p = await P2P.replicate(dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr))
+        try:
+            return await ask_many(p2p, Wire(key), questions, cfg.run_id)
+        finally:
+            await p2p.shutdown()
+
+    answers = asyncio.run(ask())
+    mode, why = decide("auto", answers, True)
+    log.info("reachability: %s (%s)", mode, why)
+    if mode == "nat":
+        print(
+            f"this node is behind NAT or a firewall ({why}): it dials the peers that send it work and "
+            "keeps those connections open; forwarding a TCP port is optional (--reachability direct)",
+            flush=True,
+        )
+    return mode
 
 
 def join_command(peer_id: str, maddrs: list[str], run_id: str, model: str = NodeConfig.model) -> str:
@@ -340,7 +409,9 @@ def run_join(cfg: NodeConfig) -> int:
         mem = stage_memory(cfg, run, model, device)
         fits = stages_that_fit(cfg, mem, on_cpu=device.type == "cpu")
         stop.check()
-        index = claim_stage(cfg, dht, run, peer_id, fits)
+        reachability = find_reachability(cfg, dht, None if run_is_new else run, maddrs, key)
+        stop.check()
+        index = claim_stage(cfg, dht, run, peer_id, fits, reachability)
         del model
 
         def start_stage(index: int, resume_from=None) -> StageRuntime:
@@ -400,6 +471,7 @@ def run_join(cfg: NodeConfig) -> int:
             runtime = StageRuntime(cfg, run, index, stage, dht, peer_id, data, device, outer=outer)
             runtime.stop_request = stop
             runtime.maddrs = maddrs
+            runtime.reachability = reachability
             runtime.memory_estimate = mem[index]
             if resume_from is not None:
                 runtime.restore(resume_from)

@@ -25,6 +25,7 @@ from node.dp.anchors import ANCHOR_HANDLER, AnchorClient, PacketSink
 from node.dp.scape import SCAPE_HANDLER, ScapeSync
 from node.dp.tied import TIED_HANDLER, TiedExchange
 from node.net.alive import ALIVE_HANDLER, handle_alive
+from node.net.reach import DIALBACK_HANDLER, DialBack
 from node.net.wire import raise_accept_backlog
 from node.stage.basis import HANDLER as BASIS_HANDLER
 from node.stage.context import StageContext
@@ -39,7 +40,8 @@ from node.stop_signal import StopRequest
 from node.swarm.health import write_health
 from node.swarm.membership import store_stage_record
 from node.swarm.rebalance import Rebalancer, choose_move, move_reason
-from node.swarm.routing import fast_peers_of_stage
+from node.swarm.reverse import Reverser
+from node.swarm.routing import fast_peers_of_stage, must_call_me
 from node.swarm.weights import WEIGHTS_HANDLER, WeightServer, pull_weights
 from node.watch.dashboard import DashboardError, serve_in_node
 from node.watch.probe import Probe
@@ -80,6 +82,9 @@ class Lifecycle:
     move_allowed: set[int] | None = None
     move_to: int | None = None  # set when the node left its stage to serve this one
     terminated = False  # SIGINT/SIGTERM: the process stops, whatever move_to says
+    # direct: peers dial us; nat: we dial the peers that call us (node.net.reach decides, join sets it)
+    reachability: str = "direct"
+    reverser: Reverser | None = None  # behind NAT: the connections kept to those peers
     stop_request: StopRequest | None = None  # a signal that came while the node started (join)
 
     def metrics_dict(self) -> dict:
@@ -94,6 +99,7 @@ class Lifecycle:
             inner_step=self.ctx.inner_step,
             ready=ready,
             maddrs=self.maddrs,
+            reach="reverse" if self.reachability == "nat" else "direct",
         )
 
     async def publish(self, ready: bool = True, timeout: float | None = None) -> bool:
@@ -138,6 +144,27 @@ class Lifecycle:
                 await asyncio.wait_for(ctx.stop.wait(), ctx.cfg.heartbeat_s)
             except asyncio.TimeoutError:
                 pass
+
+    async def keep_reversed(self) -> set[str]:
+        """Behind NAT: one beat of ``Reverser.keep`` over the peers that call this node, at the
+        addresses their records announce; the peers connected after it."""
+        ctx = self.ctx
+        targets = must_call_me(ctx.routes, ctx.index, ctx.peer_id, ctx.cfg.circuit, ctx.run.tied)
+        maddrs = {p: r.maddrs for stage in ctx.routes for p, r in stage.items() if p in targets}
+        return await self.reverser.keep(maddrs)
+
+    async def reverse_loop(self) -> None:
+        """``keep_reversed`` every half heartbeat (node.swarm.reverse says why), on the routes the
+        heartbeat refreshed (a loop of its own: a dead connection's probe and dial must not hold
+        the heartbeat up)."""
+        ctx = self.ctx
+        while not ctx.stop.is_set():
+            try:
+                await self.keep_reversed()
+            except Exception as e:  # the daemon busy or restarting: again next beat
+                log.info("keeping the reversed connections failed: %s", e)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(ctx.stop.wait(), ctx.cfg.heartbeat_s / 2)
 
     async def maybe_move(self) -> None:
         """Every few beats: if another stage needs this node more (``choose_move``), leave for it.
@@ -236,14 +263,21 @@ class Lifecycle:
             self.metrics_dict, ctx.wire, ctx.run.run_id, ctx.cfg.hop_timeout, probe
         )
         await p2p.add_binary_stream_handler(METRICS_HANDLER, self.metrics_server.handle)
+        await p2p.add_binary_stream_handler(DIALBACK_HANDLER, DialBack(ctx.wire, ctx.run.run_id).handle)
         await p2p.add_binary_stream_handler(HANDLER, self.server.handle_stream)
         raise_accept_backlog(p2p)  # before the first burst of streams, not at the first stream served
+        if self.reachability == "nat":  # connected to those who call us before they route to us
+            self.reverser = Reverser(p2p, ctx.wire, ctx.cfg.heartbeat_s)
+            await self.hops.refresh_routes()
+            await self.keep_reversed()
         await self.publish()
         if self.move_allowed is not None:  # the dwell counts from now: a joiner first fills its stage
             self.rebalancer = Rebalancer(time.monotonic(), ctx.cfg.heartbeat_s)
         tasks = [asyncio.create_task(self.heartbeat_loop())]
         if ctx.cfg.dashboard:
             tasks.append(asyncio.create_task(self._dashboard()))
+        if self.reverser is not None:
+            tasks.append(asyncio.create_task(self.reverse_loop()))
         if ctx.cfg.max_steps and ctx.inner_step >= ctx.cfg.max_steps:  # resumed at its last step
             log.info("already at --max-steps %d: nothing to train", ctx.cfg.max_steps)
             ctx.stop.set()
@@ -279,7 +313,7 @@ class Lifecycle:
         self.write_metrics()
         self.write_health(serving=False)
         # a node that moves registers its handlers again for the new stage, in this process
-        handlers = [HANDLER, ALIVE_HANDLER, METRICS_HANDLER]
+        handlers = [HANDLER, ALIVE_HANDLER, METRICS_HANDLER, DIALBACK_HANDLER]
         if self.move_to is not None:
             handlers += [WEIGHTS_HANDLER, ANCHOR_HANDLER, SCAPE_HANDLER, BASIS_HANDLER, TIED_HANDLER]
         for name in handlers:

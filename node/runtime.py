@@ -209,6 +209,13 @@ class StageRuntime(Lifecycle):
             "resumed_from": self.resumed_from,
             "basis_bytes_served": bases.bytes_served if bases else 0,
             "throughput": self.pipeline.throughput,
+            "reachability": self.reachability,  # direct | nat (node.net.reach)
+            "reverse": {  # behind NAT: connections opened to the peers that call us, and re-opened
+                "dials": self.reverser.dials if self.reverser else 0,
+                "redials": self.reverser.redials if self.reverser else 0,
+                "kept": self.reverser.kept if self.reverser else 0,
+                "last_dial": self.reverser.last_dial if self.reverser else 0.0,
+            },
             "compute_s": self.compute.seconds,
             "device": str(self.compute.device),
             "links": m.links_list(),

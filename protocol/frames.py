@@ -24,7 +24,7 @@ MAX_PATH = 64
 # (8 GiB of fp32); beyond it torch's own size arithmetic overflows int64 and raises untyped errors
 MAX_ELEMENTS = 2**31
 
-KINDS = ("forward", "backward", "error", "basis", "weights", "anchor", "scape", "tied", "metrics")
+KINDS = ("forward", "backward", "error", "basis", "weights", "anchor", "scape", "tied", "metrics", "dialback")
 
 # Only these dtypes may arrive over the wire (no object, no complex, nothing exotic).
 WIRE_DTYPES: dict[str, torch.dtype] = {

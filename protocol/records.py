@@ -186,6 +186,9 @@ class RunRecord:
         return self.microbatch_tokens or self.microbatch * self.seq_len
 
 
+REACH = ("direct", "reverse")  # StageRecord.reach
+
+
 @dataclass
 class StageRecord:
     """A peer's heartbeat for the stage it serves (subkey = its peer id)."""
@@ -197,6 +200,9 @@ class StageRecord:
     outer_round: int = 0
     ready: bool = False  # layers loaded and handlers registered
     maddrs: list[str] = field(default_factory=list)
+    # how peers reach it: ``direct`` (they dial its maddrs) or ``reverse`` (behind NAT: it dials
+    # the peers that call it and keeps those connections open; node.swarm.reverse)
+    reach: str = "direct"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -220,10 +226,13 @@ class StageRecord:
                 "outer_round": int,
                 "ready": bool,
                 "maddrs": list,
+                "reach": str,
             },
         )
         if rec.circuit not in ("fast", "anchor"):
             raise RecordError(f"unknown circuit {rec.circuit!r}")
+        if rec.reach not in REACH:
+            raise RecordError(f"unknown reach {rec.reach!r}")
         if not (0 <= rec.throughput < 1e12 and 0 <= rec.queue < 1e6):
             raise RecordError("stage record load figures out of range")
         if len(rec.maddrs) > 16 or not all(isinstance(a, str) and len(a) < 512 for a in rec.maddrs):

@@ -40,7 +40,7 @@ SMOKE = ROOT / "bench" / "docker_smoke.sh"
 RESULTS = ROOT / "bench" / "results" / "docker.json"
 IMAGE = "volunteer-node"
 P2P_PORT = 31337
-NAT_FLAGS = ("--announce-maddr", "--client-mode", "--no-relay", "--use-auto-relay")
+NAT_FLAGS = ("--announce-maddr", "--client-mode", "--no-relay", "--reachability", "--use-auto-relay")
 CLI_TIMEOUT_S = 180
 
 

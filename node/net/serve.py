@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from node.net.transport import close_quietly
@@ -135,6 +136,9 @@ async def serve(
     try:
         if bans is not None and bans.is_banned(s.peer):  # costs a banned peer nothing but a closed stream
             return False
+        heard = getattr(wire, "heard", None)
+        if heard is not None:  # the connection this stream rode works (node.swarm.reverse reads it)
+            heard[s.peer] = time.monotonic()
         # caps on the streams served at once, per peer and node-wide, go here: before a byte is read
         try:
             await body(s)

@@ -17,6 +17,7 @@ import inspect
 import logging
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable
 
 from node.net.bans import BanList
@@ -56,11 +57,18 @@ class Wire:
         self.replay = ReplayGuard() if key else None
         self.bans = BanList()
         self._bulk: dict[str, asyncio.Semaphore] = {}
+        # peer id -> monotonic time its last stream to us began (``node.net.serve``): a stream that
+        # arrived proves the connection it rode works, so a node behind NAT need not probe it
+        self.heard: dict[str, float] = {}
 
     def bulk(self, peer: str) -> asyncio.Semaphore:
         """The turns to write a pipeline frame to ``peer`` (BULK_SLOTS). A sender opens its stream
         on its turn, since a handler closes a stream that sent nothing for IDLE_S."""
         return self._bulk.setdefault(peer, asyncio.Semaphore(BULK_SLOTS))
+
+    def heard_within(self, peer: str, seconds: float) -> bool:
+        """A stream from ``peer`` began within the last ``seconds``."""
+        return time.monotonic() - self.heard.get(peer, float("-inf")) <= seconds
 
     @property
     def overhead(self) -> int:

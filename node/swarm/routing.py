@@ -13,6 +13,12 @@ from collections.abc import Mapping
 from protocol.records import StageRecord
 
 UNMEASURED_THROUGHPUT = 1.0  # when nobody has measured anything yet, all peers weigh the same
+# A peer behind NAT (reach ``reverse``) weighs this share of its announced throughput. Not zero: its
+# streams ride the connection it keeps to us at full speed. Not one: that connection dies with its
+# NAT's mapping and a microbatch sent then is lost until its next heartbeat re-dials, so between
+# two equal peers the one that can be dialled is the safer pick (Petals weighs relayed servers 0.2;
+# a reversed one costs no relay, so less of a discount).
+REVERSE_WEIGHT = 0.5
 
 
 def announced_throughput(rec: StageRecord, fallback: float = UNMEASURED_THROUGHPUT) -> float:
@@ -24,7 +30,12 @@ def peer_weights(records: list[StageRecord]) -> list[float]:
     peer: weighing it by zero would starve it forever (it can only measure what it is sent)."""
     measured = [r.throughput for r in records if r.throughput > 0]
     fallback = sum(measured) / len(measured) if measured else UNMEASURED_THROUGHPUT
-    return [announced_throughput(r, fallback) / (1.0 + r.queue) for r in records]
+    return [reach_weight(r) * announced_throughput(r, fallback) / (1.0 + r.queue) for r in records]
+
+
+def reach_weight(rec: StageRecord) -> float:
+    """A direct peer's weight is its throughput's; a reversed one's is discounted (REVERSE_WEIGHT)."""
+    return REVERSE_WEIGHT if rec.reach == "reverse" else 1.0
 
 
 def choose_peer(
@@ -73,3 +84,38 @@ def fast_peers_of_stage(rt) -> dict:
 def anchor_peers_of_stage(rt) -> dict:
     """Anchor peers this node's stage records announce (ready or still pulling), other than itself."""
     return {p: r for p, r in rt.routes[rt.index].items() if r.circuit == "anchor" and p != rt.peer_id}
+
+
+def must_call_me(
+    routes: list[Mapping[str, StageRecord]], index: int, peer_id: str, circuit: str, tied: bool
+) -> set[str]:
+    """The peers that open streams to this node, so a node behind NAT keeps a connection to each.
+
+    * the previous stage's peers of its circuit: their FORWARD frames (the backward rides back on
+      the same stream, and the next stage is only ever called by us);
+    * every other peer of its own stage, ready or not: a joiner pulls our weights before it is
+      ready, replicas average with us, anchors push packets to fast peers and pull their weights;
+    * with tied embeddings, the other end stage (head and tail send each other the tied gradient).
+    """
+    peers = {p for p, r in routes[index - 1].items() if r.circuit == circuit} if index > 0 else set()
+    peers |= set(routes[index])
+    last = len(routes) - 1
+    if tied and last > 0 and index in (0, last):
+        peers |= {p for p, r in routes[last - index].items() if r.circuit == circuit}
+    peers.discard(peer_id)
+    return peers
+
+
+def unreachable_neighbour(
+    routes: list[Mapping[str, StageRecord]], index: int, peer_id: str, circuit: str
+) -> int | None:
+    """For a node behind NAT serving ``index``: a neighbouring stage whose every peer is behind NAT
+    too (None: none is). Neither side of such a pair can open a connection to the other, so no
+    frame could cross; an empty neighbour is not one (a direct node may still come)."""
+    for s in (index - 1, index + 1):
+        if not 0 <= s < len(routes):
+            continue
+        peers = [r for p, r in routes[s].items() if r.circuit == circuit and p != peer_id]
+        if peers and all(r.reach == "reverse" for r in peers):
+            return s
+    return None
