@@ -279,6 +279,9 @@ class _FlipOneByte:
     async def recv(self, *a):
         return await self.wire.recv(*a)
 
+    def caps(self, *a):
+        return self.wire.caps(*a)
+
 
 def test_live_pull_checks_the_digest_over_real_streams():
     """The real WeightServer over real libp2p: an intact pull is exact fp32, a flipped byte is refused."""
@@ -302,6 +305,8 @@ def test_live_pull_checks_the_digest_over_real_streams():
             compute=compute,
             stage=stage,
             inner_step=5,
+            routes=[{}, {}],  # the export is no member of the stage: a visitor
+            index=1,
         )
         server = await P2P.create()
         client = await P2P.create(initial_peers=await server.get_visible_maddrs())

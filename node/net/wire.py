@@ -20,6 +20,7 @@ import socket
 from collections.abc import Awaitable, Callable
 
 from node.net.bans import BanList
+from node.net.caps import Caps, Limits
 from node.net.transport import HEADER_LEN, write_message
 from protocol.auth import HEADER_BYTES, ReplayGuard, Unauthorized, sign, verify
 from protocol.frames import FrameTooLarge, MalformedFrame
@@ -56,6 +57,16 @@ class Wire:
         self.replay = ReplayGuard() if key else None
         self.bans = BanList()
         self._bulk: dict[str, asyncio.Semaphore] = {}
+        self._caps: dict[str, Caps] = {}
+
+    def caps(self, handler: str, limits: Limits) -> Caps:
+        """This node's bounds in force for ``handler`` (``node.net.caps``): one per handler and
+        node, kept here beside the ban list, since join.py replaces a runtime's Wire once built.
+        New ``limits`` start afresh (streams held release into the ``Caps`` that admitted them)."""
+        caps = self._caps.get(handler)
+        if caps is None or caps.limits != limits:
+            caps = self._caps[handler] = Caps(limits)
+        return caps
 
     def bulk(self, peer: str) -> asyncio.Semaphore:
         """The turns to write a pipeline frame to ``peer`` (BULK_SLOTS). A sender opens its stream
