@@ -265,3 +265,64 @@ def test_a_burst_of_streams_over_libp2p_is_answered_every_one(rt, loop):
             await srv.shutdown()
 
     loop.run_until_complete(main())
+
+
+def test_streams_from_minted_peer_ids_meet_the_node_wide_bound(rt, loop, monkeypatch):
+    """Peer ids cost nothing: past MAX_STREAMS held at once, from one id each, the rest are busy."""
+    monkeypatch.setattr(server_mod, "MAX_STREAMS", 16)
+    frame = prefixed(pack(valid_body(random.Random(4))))
+
+    async def main():
+        held = [asyncio.StreamReader() for _ in range(16)]  # open, nothing sent yet
+        tasks = [
+            asyncio.ensure_future(
+                rt.handle_stream(types.SimpleNamespace(peer_id=f"QmMinted{i}"), r, FakeWriter())
+            )
+            for i, r in enumerate(held)
+        ]
+        await asyncio.sleep(0.1)
+        late = await _call(rt.handle_stream, STRANGER, frame)
+        reply = _reply(late)
+        assert reply.meta.get("code") == "busy" and "16 such streams at once" in reply.meta["message"]
+        for r in held:
+            r.feed_eof()
+        await asyncio.wait_for(asyncio.gather(*tasks), 20)
+        assert _reply(await _call(rt.handle_stream, STRANGER, frame)).kind == "backward"  # room again
+
+    loop.run_until_complete(main())
+
+
+# ---------------------------------------------------------------------- 5. weight pulls
+
+
+def _first(w: FakeWriter) -> Frame:
+    n = int.from_bytes(w.buf[:8], "big")
+    return decode_frame(bytes(w.buf[8 : 8 + n]), run_id=RUN_ID, check_finite=False)
+
+
+def test_weight_pulls_members_one_each_and_all_visitors_one_budget(rt, loop):
+    """A member of the stage (a record in its routes) is served; every visitor (an export, a
+    stranger, a minted id) shares one pull at a time and one small burst, node-wide."""
+    ask = prefixed(encode_frame(Frame(kind="weights", run_id=RUN_ID)))
+    ws = rt.weight_server
+
+    async def main():
+        # a visitor holds the one visitor slot (its request not sent yet): another id is busy
+        r, w = asyncio.StreamReader(), FakeWriter()
+        holder = asyncio.ensure_future(ws.handle(types.SimpleNamespace(peer_id="QmVisitor0"), r, w))
+        await asyncio.sleep(0.05)
+        other = _first(await _call(ws.handle, "QmVisitor1", ask))
+        assert other.meta.get("code") == "busy" and "1 such streams at once" in other.meta["message"]
+        # a member is served meanwhile, and again and again (no rate: it is one of us)
+        for _ in range(4):
+            assert _first(await _call(ws.handle, STAGE_PEER, ask)).kind == "weights"
+        r.feed_data(ask)
+        r.feed_eof()
+        await asyncio.wait_for(holder, 20)
+        assert _first(w).kind == "weights"
+        # the visitors' burst (3, the holder's included), then refused by rate, whoever asks
+        got = [_first(await _call(ws.handle, f"QmVisitor{i}", ask)) for i in range(2, 6)]
+        assert [f.kind for f in got[:2]] == ["weights"] * 2, [f.meta for f in got]
+        assert all(f.meta.get("code") == "busy" and "requests/s" in f.meta["message"] for f in got[2:])
+
+    loop.run_until_complete(main())

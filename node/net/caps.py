@@ -74,13 +74,13 @@ class Caps:
         """Count one stream of ``key`` as served (``release`` it when done), or raise ``OverCap``.
         The concurrency bounds are checked first: a refused stream costs the sender no token."""
         lim = self.limits
+        if self.active >= lim.total:  # first: a key shared by a role is told the node is full
+            self.refused += 1
+            raise OverCap(f"this node serves {lim.total} such streams at once; try another replica", False)
         if self._held.get(key, 0) >= lim.per_peer:
             self.refused += 1
             why = f"over {lim.per_peer} concurrent streams from this peer; try another replica"
             raise OverCap(why, False)
-        if self.active >= lim.total:
-            self.refused += 1
-            raise OverCap(f"this node serves {lim.total} such streams at once; try another replica", False)
         if lim.rate > 0:
             now = time.monotonic() if now is None else float(now)
             tokens, then = self._tokens.get(key, (lim.burst, now))

@@ -42,6 +42,13 @@ from protocol.frames import Frame, FrameError, encode_frame, error_frame
 
 log = logging.getLogger("node")
 
+# a stream over a handler's caps whose request is this small is read and thrown away before it is
+# answered: closing a stream with unread bytes resets it and loses the answer (a weights or basis
+# request is < 4 KiB). A larger one is left unread: its sender may see a reset instead of busy.
+# A stream that sends nothing is answered after REFUSED_IDLE_S, so a refusal costs little time.
+REFUSED_READ_BYTES = 64 << 10
+REFUSED_IDLE_S = 2.0
+
 Sender = Callable[[str], "int | Awaitable[int]"]
 """A handler's sender check: the byte limit of one message from this peer id; raises ``NotAllowed``
 when the peer may not use the handler. Asked after the length header, before any payload byte."""
@@ -154,6 +161,9 @@ async def serve(
                 if bans.record_bad(s.peer):
                     log.warning("banning %s for repeated invalid %ss (last: %s)", s.peer[:12], what, e)
             if answer:
+                if isinstance(e, OverCap):
+                    with contextlib.suppress(FrameError, Idle, OSError):
+                        await s.skip(REFUSED_READ_BYTES, REFUSED_IDLE_S)
                 await s.refuse(e, code)
             return False
         if strikes and bans is not None:
