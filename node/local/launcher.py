@@ -233,13 +233,6 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _codec_settings(args) -> dict | None:
-    """The link the run's starter published (as its run record has it); subspace's needs the model."""
-    from node.stage.links import codec_settings
-
-    return None if args.codec == "subspace" else codec_settings(config_from_args(args))
-
-
 def check_inputs(args) -> None:
     """What the flags name, checked before any node starts: otherwise a bad --data is found by the
     head only after it claimed stage 0, and shows here as a node that died."""
@@ -275,6 +268,7 @@ def run_swarm(args) -> int:
     t_start = time.monotonic()
     status = 0
     held = before = None
+    published: dict | None = None  # the codec the run record carries (node 0's ready file)
     rates: list[tuple[float, dict]] = []
     memory = PeakMemory()
     try:
@@ -285,6 +279,7 @@ def run_swarm(args) -> int:
             flush=True,
         )
         proc, ready = start_node(args, 0, report, run_id, [])
+        published = ready.get("codec")
         procs.append(proc)
         stages.append(ready["stage"])
         bootstrap = [a for a in ready["maddrs"] if "127.0.0.1" in a] or ready["maddrs"]
@@ -317,7 +312,7 @@ def run_swarm(args) -> int:
         run_id=run_id,
         model=args.model,
         codec=args.codec,
-        codec_settings=_codec_settings(args),
+        codec_settings=published,
         elapsed_s=time.monotonic() - t_start,
     )
     model_line = ""
