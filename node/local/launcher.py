@@ -61,6 +61,9 @@ def node_command(
         ready_file=str(nodedir / "ready.json"),
         threads=args.threads_per_node,
         heartbeat_s=1.0,
+        # a local run's checkpoints serve its export and a --restart-dead resume: the newest is
+        # enough (a save is atomic), and a second copy of every node's state doubled its disk use
+        keep_checkpoints=1,
         wait_peers=args.nodes + args.anchors * args.stages,
         circuit=circuit,
         peers=list(peers),
