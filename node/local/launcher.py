@@ -197,6 +197,23 @@ def tail_steps(metrics: list[dict], n_stages: int) -> int:
     return max((m["inner_step"] for m in fast_tails), default=0)
 
 
+def progress(metrics: list[dict], nodes: int, n_stages: int, steps: int) -> str:
+    """What the swarm is doing, in the words a user watching it needs. Before the first step there is
+    no loss to show (a demo used to print ``loss nan`` for its first 30-40 s): say what it waits for."""
+    serving = {m["stage"] for m in metrics}
+    missing = [s for s in range(n_stages) if s not in serving]
+    losses = [m["step_losses"][-1] for m in metrics if m["step_losses"]]
+    done = tail_steps(metrics, n_stages)
+    if losses:
+        return f"step {done}/{steps}  loss {losses[-1]:.3f}"
+    if not metrics:
+        return f"starting: {nodes} nodes loading their stages' weights; no step yet"
+    if missing:
+        which = f"stage{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+        return f"waiting for stages: {len(metrics)}/{nodes} nodes serving, {which} not yet"
+    return f"every stage served ({len(metrics)}/{nodes} nodes); the first step is under way"
+
+
 def _table(metrics: list[dict], steps: int, n_stages: int, t0: float):
     from rich.table import Table
 
@@ -331,9 +348,9 @@ def run_swarm(args) -> int:
         plot_loss(
             rep["loss"], report / "loss.png", title=f"{args.model}, {args.stages} stages, {args.nodes} nodes"
         )
-    first, last = (rep["loss"][0], rep["loss"][-1]) if rep["loss"] else (float("nan"), float("nan"))
+    loss = f"loss {rep['loss'][0]:.3f} -> {rep['loss'][-1]:.3f}" if rep["loss"] else "no step taken"
     print(
-        f"report: {report / 'report.json'}  steps {len(rep['loss'])}  loss {first:.3f} -> {last:.3f}  "
+        f"report: {report / 'report.json'}  steps {len(rep['loss'])}  {loss}  "
         f"tokens {rep['tokens']}  dropped {rep['dropped_microbatches']}",
         flush=True,
     )
@@ -550,13 +567,9 @@ def watch(
                 rates.append((time.monotonic() - t0, link_totals(metrics)))
             if live is not None and metrics:
                 live.update(_table(metrics, args.steps, args.stages, t0))
-            elif time.monotonic() - last_print > 10 and metrics:
-                losses = [m["step_losses"][-1] for m in metrics if m["step_losses"]]
-                print(
-                    f"  step {done}/{args.steps}  loss {losses[-1] if losses else float('nan'):.3f}  "
-                    f"{time.monotonic() - t0:.0f}s",
-                    flush=True,
-                )
+            elif time.monotonic() - last_print > 10:
+                line = progress(metrics, len(procs), args.stages, args.steps)
+                print(f"  {line}  {time.monotonic() - t0:.0f}s", flush=True)
                 last_print = time.monotonic()
             if done >= args.steps:
                 return 0
