@@ -41,6 +41,7 @@ def loop(rt):
         STAGE_PEER: StageRecord(circuit="fast", ready=True, inner_step=0),
         ANCHOR: StageRecord(circuit="anchor", ready=True, inner_step=0),
     }
+    rt.routes[0] = {STAGE_PEER: StageRecord(circuit="fast", ready=True, inner_step=0)}  # an upstream
     rt.inner_step = 0
     yield lp
     lp.close()
@@ -267,27 +268,62 @@ def test_a_burst_of_streams_over_libp2p_is_answered_every_one(rt, loop):
     loop.run_until_complete(main())
 
 
-def test_streams_from_minted_peer_ids_meet_the_node_wide_bound(rt, loop, monkeypatch):
-    """Peer ids cost nothing: past MAX_STREAMS held at once, from one id each, the rest are busy."""
+def _hold(rt, peers: list[str]) -> list:
+    """One stream per peer id, open with nothing sent yet: (its reader, its task)."""
+    held = [asyncio.StreamReader() for _ in peers]
+    tasks = [
+        asyncio.ensure_future(rt.handle_stream(types.SimpleNamespace(peer_id=p), r, FakeWriter()))
+        for p, r in zip(peers, held)
+    ]
+    return list(zip(held, tasks))
+
+
+async def _release(held: list) -> None:
+    for r, _ in held:
+        r.feed_eof()
+    await asyncio.wait_for(asyncio.gather(*(t for _, t in held)), 20)
+
+
+def test_streams_of_the_stage_before_meet_the_node_wide_bound(rt, loop, monkeypatch):
+    """Upstreams known to the routes, many of them: past MAX_STREAMS held at once, the rest are busy."""
     monkeypatch.setattr(server_mod, "MAX_STREAMS", 16)
     frame = prefixed(pack(valid_body(random.Random(4))))
+    upstreams = [f"QmUpstream{i}" for i in range(16)]
+    rt.routes[0].update({p: StageRecord(circuit="fast", ready=True, inner_step=0) for p in upstreams})
 
     async def main():
-        held = [asyncio.StreamReader() for _ in range(16)]  # open, nothing sent yet
-        tasks = [
-            asyncio.ensure_future(
-                rt.handle_stream(types.SimpleNamespace(peer_id=f"QmMinted{i}"), r, FakeWriter())
-            )
-            for i, r in enumerate(held)
-        ]
+        held = _hold(rt, upstreams)
         await asyncio.sleep(0.1)
-        late = await _call(rt.handle_stream, STRANGER, frame)
-        reply = _reply(late)
+        reply = _reply(await _call(rt.handle_stream, STAGE_PEER, frame))
         assert reply.meta.get("code") == "busy" and "16 such streams at once" in reply.meta["message"]
-        for r in held:
-            r.feed_eof()
-        await asyncio.wait_for(asyncio.gather(*tasks), 20)
+        await _release(held)
+        assert _reply(await _call(rt.handle_stream, STAGE_PEER, frame)).kind == "backward"  # room again
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        for p in upstreams:
+            rt.routes[0].pop(p)
+
+
+def test_minted_peer_ids_fill_only_the_visitors_lane(rt, loop):
+    """Senders the routes do not show share VISITOR_STREAMS; the stage before's peers are still
+    served while that lane is full, and an unknown sender asks for one throttled route refresh."""
+    frame = prefixed(pack(valid_body(random.Random(5))))
+    lane = server_mod.VISITOR_STREAMS
+
+    async def main():
+        rt.server._recheck._last = float("-inf")  # no refresh lately (earlier tests asked for some)
+        refreshes = rt.server._recheck.refreshes
+        held = _hold(rt, [f"QmMinted{i}" for i in range(lane)])
+        await asyncio.sleep(0.1)
+        reply = _reply(await _call(rt.handle_stream, STRANGER, frame))
+        assert reply.meta.get("code") == "busy" and f"{lane} such streams at once" in reply.meta["message"]
+        assert _reply(await _call(rt.handle_stream, STAGE_PEER, frame)).kind == "backward"
+        await _release(held)
         assert _reply(await _call(rt.handle_stream, STRANGER, frame)).kind == "backward"  # room again
+        # a flood of unknown ids within a second: one refresh, not one each
+        assert rt.server._recheck.refreshes - refreshes == 1
 
     loop.run_until_complete(main())
 

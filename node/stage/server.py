@@ -9,8 +9,13 @@ what the sender should do (``downstream``: our next stage failed, do not retry a
 the stream is closed, *before* this node's optimizer step (``after_reply``): a step (drain,
 AdamW, an outer round, a SCAPE exchange, a checkpoint) never delays the stages upstream.
 
-What a flood costs: a peer gets at most ``MAX_STREAMS_PER_PEER`` streams served at once, and all
-peers together ``MAX_STREAMS`` (peer ids cost nothing to mint); the rest are answered ``busy``
+What a flood costs: a peer of the stage before (a record in this node's routes) gets at most
+``MAX_STREAMS_PER_PEER`` streams served at once, and all of them together ``MAX_STREAMS``. A sender
+the routes do not show (after one throttled refresh: it may have joined since the last heartbeat)
+is a visitor: visitors get ``VISITOR_STREAMS_PER_PEER`` each and ``VISITOR_STREAMS`` together, so
+a flood of minted peer ids fills only the visitors' lane while the stage's own upstreams are
+served, and an honest upstream not yet in the routes still gets its microbatches through. The
+rest are answered ``busy``
 (their frame read and thrown away, or the stream resets and the reply is lost) and counted
 (``metrics.shed_streams``), so a flood is answered, not dropped. A stream that sends no byte for
 ``IDLE_S`` seconds is closed with a ``busy`` that names the deadline (``metrics.idle_streams``),
@@ -33,6 +38,7 @@ from node.net.wire import IDLE_S, Idle, raise_accept_backlog
 from node.stage.context import StageContext
 from node.stage.hop import HANDLER, HopFailed
 from node.stage.step import Busy
+from node.swarm.recheck import RouteRecheck
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError
 
 log = logging.getLogger("node")
@@ -43,6 +49,10 @@ MAX_STREAMS_PER_PEER = 16
 # streams served at once from every peer together: a stage's upstream replicas times their
 # max_inflight, with room; past it a flood of minted peer ids only queues
 MAX_STREAMS = 256
+# a sender not in the routes of the stage before: an honest one's max_inflight (default 4) in
+# flight, all of them together a couple of upstreams' worth
+VISITOR_STREAMS_PER_PEER = 4
+VISITOR_STREAMS = 8
 SHED_LOG_EVERY_S = 5.0  # one log line per flooding peer per this many seconds, with the count
 
 
@@ -52,8 +62,11 @@ class ForwardServer:
         ctx: StageContext,
         serve: Callable[[bytes], Awaitable[tuple[Frame, bytes]]],
         after_reply: Callable[[], Awaitable[None]],
+        refresh_routes: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.ctx = ctx
+        # an unknown sender may have joined since the last heartbeat: one refresh, throttled
+        self._recheck = None if refresh_routes is None else RouteRecheck(refresh_routes)
         # FORWARD frame bytes -> the BACKWARD frame and its bytes, built in the compute thread
         # (node.stage.pipeline.Pipeline.serve)
         self.serve = serve
@@ -67,8 +80,23 @@ class ForwardServer:
 
     @property
     def caps(self) -> Caps:
-        """The forward handler's stream bounds in force (on the node's Wire, beside the bans)."""
+        """The bounds in force for the stage before's peers (on the node's Wire, beside the bans)."""
         return self.ctx.wire.caps(HANDLER, Limits(per_peer=MAX_STREAMS_PER_PEER, total=MAX_STREAMS))
+
+    @property
+    def visitor_caps(self) -> Caps:
+        """The bounds in force for senders the routes do not show."""
+        limits = Limits(per_peer=VISITOR_STREAMS_PER_PEER, total=VISITOR_STREAMS)
+        return self.ctx.wire.caps(f"{HANDLER}/visitor", limits)
+
+    async def _upstream(self, peer: str) -> bool:
+        """Whether ``peer`` has a record of the stage before ours (any circuit, ready or not)."""
+        ctx = self.ctx
+        if ctx.index == 0:  # nothing sends a head forward frames
+            return False
+        if peer not in ctx.routes[ctx.index - 1] and self._recheck is not None:
+            await self._recheck()
+        return peer in ctx.routes[ctx.index - 1]
 
     @property
     def bans(self) -> BanList:
@@ -93,7 +121,8 @@ class ForwardServer:
             self._backlog_checked = True
             if not raise_accept_backlog(self.ctx.p2p):
                 log.info("could not raise the stream accept backlog; bursts past 100 streams may be reset")
-        peer, caps = str(stream_info.peer_id), self.caps
+        peer = str(stream_info.peer_id)
+        caps = self.caps if await self._upstream(peer) else self.visitor_caps
         try:
             caps.admit(peer)
         except OverCap as why:
