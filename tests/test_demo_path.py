@@ -22,22 +22,12 @@ def test_progress_says_what_the_swarm_waits_for_before_a_loss():
     assert all("nan" not in progress(ms, 2, 2, 40) for ms in ([], [_m(0)], [_m(0), _m(1)]))
 
 
-def test_swarm_eval_prints_the_held_out_lines(tmp_path):
-    rep = run_swarm(
-        tmp_path,
-        "--nodes",
-        "2",
-        "--stages",
-        "2",
-        "--steps",
-        "3",
-        "--model",
-        "tiny:2",
-        "--eval",
-        "6",
-        timeout=240,
-    )
-    out = (tmp_path / "swarm.out").read_text()
+def test_swarm_eval_export_prints_the_held_out_lines_and_prunes_checkpoints(tmp_path):
+    report, model = tmp_path / "run", tmp_path / "model"
+    report.mkdir()
+    args = ["--nodes", "2", "--stages", "2", "--steps", "3", "--model", "tiny:2", "--eval", "6"]
+    rep = run_swarm(report, *args, "--export", str(model), timeout=240)
+    out = (report / "swarm.out").read_text()
     assert "held out 6 problems (trained on the other" in out and "before training: loss" in out, out
     last = out.strip().splitlines()[-1]  # the held-out line comes last: what a demo user looks for
     assert last.startswith("exact match on 6 held-out problems: 0.00 -> "), out
@@ -45,3 +35,8 @@ def test_swarm_eval_prints_the_held_out_lines(tmp_path):
     assert ev["n"] == 6 and ev["em_before"] == 0.0 and 0.0 <= ev["em_after"] <= 1.0
     assert ev["loss_after"] != ev["loss_before"]  # the exported model is the trained one, not the base
     assert "nan" not in out
+    # the export written, the nodes' checkpoints (most of a demo's disk) are gone, nothing else
+    assert (model / "config.json").exists() and "removed the nodes' checkpoints" in out
+    assert (
+        not list((report / "nodes").glob("*/checkpoints")) and (report / "nodes" / "0" / "node.log").exists()
+    )
