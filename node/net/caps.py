@@ -44,6 +44,7 @@ class Limits:
     total: int  # streams the handler serves at once, every key together
     rate: float = 0.0  # streams one key may open per second, sustained
     burst: float = 1.0  # ... and in a row after a quiet spell (the token bucket's depth)
+    who: str = "this peer"  # what one key is, in a refusal (a role's shared key: its name)
 
     def __post_init__(self) -> None:
         if self.per_peer < 1 or self.total < self.per_peer or self.rate < 0 or self.burst < 1:
@@ -79,7 +80,7 @@ class Caps:
             raise OverCap(f"this node serves {lim.total} such streams at once; try another replica", False)
         if self._held.get(key, 0) >= lim.per_peer:
             self.refused += 1
-            why = f"over {lim.per_peer} concurrent streams from this peer; try another replica"
+            why = f"over {lim.per_peer} concurrent streams from {lim.who}; try another replica"
             raise OverCap(why, False)
         if lim.rate > 0:
             now = time.monotonic() if now is None else float(now)
@@ -88,7 +89,7 @@ class Caps:
             if tokens < 1:
                 self.refused += 1
                 self._tokens[key] = (tokens, now)
-                raise OverCap(f"over {lim.rate:g} requests/s from this peer; slow down", True)
+                raise OverCap(f"over {lim.rate:g} requests/s from {lim.who}; slow down", True)
             self._make_room(key)
             self._tokens[key] = (tokens - 1, now)
         self._held[key] = self._held.get(key, 0) + 1

@@ -386,6 +386,8 @@ async def pull_stage(
         await v.wire.send(writer, encode_frame(req), timeout)
         while True:
             reply = decode_frame(await v.wire.recv(reader, MAX_FRAME_BYTES, timeout), run_id=v.run_id)
+            if reply.kind == "error":  # refused (busy: its visitors' pulls are spent): say why
+                raise FrameError(f"{reply.meta.get('code')}: {reply.meta.get('message', '')}")
             if reply.kind != "weights":
                 raise FrameError(f"expected weights, got a {reply.kind} frame")
             named.update(reply.tensors)

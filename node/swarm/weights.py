@@ -40,7 +40,7 @@ REQUEST_BYTES = 4096  # a weights request is a frame without tensors
 MEMBER_LIMITS = Limits(per_peer=1, total=4)
 # every visitor together: one pull at a time, three in a row, then one per 20 s (an export pulls
 # each stage once, from one peer, and tries the next peer if refused)
-VISITOR_LIMITS = Limits(per_peer=1, total=1, rate=0.05, burst=3)
+VISITOR_LIMITS = Limits(per_peer=1, total=1, rate=0.05, burst=3, who="peers without a record of this stage")
 VISITORS = "visitors"  # the one key all visitors share
 
 
