@@ -274,6 +274,8 @@ def test_a_k_flag_given_at_long_frames_wins_over_the_resolved_tiers(flags, key, 
             "--lowrank-k-backward does nothing with --codec pca",
         ),
         (["--codec", "topk", "--lowrank-backward-bits", "8"], "--lowrank-backward-bits does nothing with"),
+        (["--codec", "dense", "--mask-rate", "0.9"], "--mask-rate does nothing with --codec dense"),
+        (["--codec", "int8", "--pca-dtype", "float32"], "--pca-dtype does nothing with --codec int8"),
     ],
 )
 def test_a_flag_its_setting_ignores_is_refused_in_one_line(flags, match):
@@ -282,6 +284,12 @@ def test_a_flag_its_setting_ignores_is_refused_in_one_line(flags, match):
     with pytest.raises(FlagError, match=match) as e:
         _checked(["join", *flags])
     assert "\n" not in str(e.value)
+
+
+def test_a_value_flag_at_its_default_with_another_codec_is_taken():
+    """bench/harness.py pins --mask-rate 0.95 for every codec: at the default it changes nothing."""
+    assert _checked(["join", "--codec", "dense", "--mask-rate", "0.95"]).codec == "dense"
+    assert _checked(["join", "--codec", "mask", "--mask-rate", "0.9"]).mask_rate == 0.9
 
 
 def test_codec_k_flags_of_the_codecs_they_act_on_are_taken():
