@@ -25,7 +25,11 @@ _CODEC_FLAGS = {
 }
 # ... and those refused with another codec only at a value other than their default, since
 # bench/harness.py pins --mask-rate 0.95 on every node's command line whatever the codec
-_CODEC_VALUES = {"mask_rate": ("mask",), "pca_dtype": ("pca", "lowrank")}
+_CODEC_VALUES = {
+    "mask_rate": ("mask",),
+    "pca_dtype": ("pca", "lowrank"),
+    **{f"lowrank_{s}": ("lowrank",) for s in ("basis", "tiers", "centre", "first", "fit")},
+}
 # the lowrank flags that --lowrank-tiers overrides (its tiers set both directions' directions and bits)
 _TIERED_AWAY = ("codec_k", "lowrank_k_backward", "lowrank_backward_bits")
 
@@ -338,7 +342,8 @@ def resolve_defaults(args: argparse.Namespace) -> None:
         args.microbatch_tokens = default_microbatch_tokens(pick_device(args.device, quiet=True))
     from node.stage.links import lowrank_layout
 
-    layout = lowrank_layout(args.microbatch_tokens)  # by the frames it sends
+    # by the frames it sends; another codec ignores the layout (its flags stay at their defaults)
+    layout = lowrank_layout(args.microbatch_tokens) if args.codec == "lowrank" else {}
     if any(n in given(args) for n in _TIERED_AWAY):  # a k the user gave wins over the resolved tiers
         layout["lowrank_tiers"] = ""
     for name, value in layout.items():

@@ -276,6 +276,8 @@ def test_a_k_flag_given_at_long_frames_wins_over_the_resolved_tiers(flags, key, 
         (["--codec", "topk", "--lowrank-backward-bits", "8"], "--lowrank-backward-bits does nothing with"),
         (["--codec", "dense", "--mask-rate", "0.9"], "--mask-rate does nothing with --codec dense"),
         (["--codec", "int8", "--pca-dtype", "float32"], "--pca-dtype does nothing with --codec int8"),
+        (["--codec", "pca", "--lowrank-tiers", "24x8"], "--lowrank-tiers does nothing with --codec pca"),
+        (["--codec", "dense", "--lowrank-first", "apart"], "--lowrank-first does nothing with --codec dense"),
     ],
 )
 def test_a_flag_its_setting_ignores_is_refused_in_one_line(flags, match):
@@ -290,6 +292,12 @@ def test_a_value_flag_at_its_default_with_another_codec_is_taken():
     """bench/harness.py pins --mask-rate 0.95 for every codec: at the default it changes nothing."""
     assert _checked(["join", "--codec", "dense", "--mask-rate", "0.95"]).codec == "dense"
     assert _checked(["join", "--codec", "mask", "--mask-rate", "0.9"]).mask_rate == 0.9
+    # another codec at long frames: no lowrank layout resolved, so a swarm's nodes are not refused
+    from node.cli import resolve_defaults
+
+    parsed = build_parser().parse_args(["swarm", "--codec", "dense", "--microbatch-tokens", "2048"])
+    resolve_defaults(parsed)
+    assert _checked(node_command(parsed, 0, Path("/tmp/n0"), "rid", [])[3:]).codec == "dense"
 
 
 def test_codec_k_flags_of_the_codecs_they_act_on_are_taken():
