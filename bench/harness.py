@@ -153,8 +153,8 @@ def join_command(
         seed=a.seed,
         lr=a.lr,
         # the lowrank layout a GPU starter's frames get (these nodes run on a CPU, which would
-        # resolve the short-frame one)
-        **lowrank_layout(a.microbatch * a.seq_len),
+        # resolve the short-frame one); another codec ignores it, and a node refuses it there
+        **(lowrank_layout(a.microbatch * a.seq_len) if v.codec == "lowrank" else {}),
     )
     pinned = ("model", "stages", "codec", "mask_rate", "wire_dtype", "seq_len", "microbatch", "batch_tokens")
     pinned += tuple(LONG_FRAME_LAYOUT)

@@ -47,6 +47,24 @@ class OneLineParser(argparse.ArgumentParser):
         raise FlagError(f"{message} (see {self.prog} --help)")
 
 
+GIVEN = "_given"  # the namespace attribute holding the fields whose flag was on the command line
+
+
+class _Given(argparse.Action):
+    """argparse's store, noting the flag as given (``given``): a flag given at its default value
+    must still win over a layout resolved from other flags, and a flag that a setting ignores
+    must be refused only when the user asked for it."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, GIVEN, getattr(namespace, GIVEN, frozenset()) | {self.dest})
+
+
+def given(a: argparse.Namespace) -> frozenset[str]:
+    """The NodeConfig fields whose (valued) flag the command line gave."""
+    return getattr(a, GIVEN, frozenset())
+
+
 def range_text(lo=None, hi=None, above=None, below=None) -> str:
     """``>= 0``, ``> 0``, ``in (0, 1]``: a range as a refusal names it."""
     g = "{:g}".format
@@ -150,7 +168,7 @@ def add_config_args(p: argparse.ArgumentParser, group: str) -> None:
         else:
             # a factory's default (state dir) or a resolved field stays None: the config fills it in
             unset = f.default is MISSING or m["resolved"]
-            kw.update(type=field_type(f), default=None if unset else default)
+            kw.update(type=field_type(f), default=None if unset else default, action=_Given)
             if m["choices"]:
                 kw["choices"] = list(m["choices"])
         g.add_argument(flag_of(f), **kw)

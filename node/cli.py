@@ -13,10 +13,29 @@ import logging
 import sys
 from dataclasses import fields
 
-from node.argv import FlagError, OneLineParser, add_config_args, bounded, config_from_args, flag_type
+from node.argv import FlagError, OneLineParser, add_config_args, bounded, config_from_args, flag_type, given
 from node.config import NET, NODE, RUN, NodeConfig
 
 _CFG_DEFAULTS = {f.name: f.default for f in fields(NodeConfig) if not callable(f.default_factory)}
+# the codecs each codec-specific flag acts on: given with another codec, it would do nothing
+_CODEC_FLAGS = {
+    "codec_k": ("pca", "lowrank", "topk", "bottleneck"),
+    "lowrank_k_backward": ("lowrank",),
+    "lowrank_backward_bits": ("lowrank",),
+}
+# ... and those refused with another codec only at a value other than their default, since
+# bench/harness.py pins --mask-rate 0.95 on every node's command line whatever the codec
+_CODEC_VALUES = {
+    "mask_rate": ("mask",),
+    "pca_dtype": ("pca", "lowrank"),
+    **{f"lowrank_{s}": ("lowrank",) for s in ("basis", "tiers", "centre", "first", "fit")},
+}
+# the lowrank flags that --lowrank-tiers overrides (its tiers set both directions' directions and bits)
+_TIERED_AWAY = ("codec_k", "lowrank_k_backward", "lowrank_backward_bits")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def check_run_flags(a: argparse.Namespace) -> None:
@@ -33,6 +52,16 @@ def check_run_flags(a: argparse.Namespace) -> None:
         raise FlagError("--subspace-rank only applies to --codec subspace")
     if a.dp == "scape" and a.outer_every:
         raise FlagError("--dp scape syncs every inner step; it does not combine with --outer-every")
+    for name, codecs in _CODEC_FLAGS.items() | _CODEC_VALUES.items():
+        changed = name in _CODEC_FLAGS or getattr(a, name) != _CFG_DEFAULTS[name]
+        if name in given(a) and changed and a.codec not in codecs:
+            raise FlagError(f"{_flag(name)} does nothing with --codec {a.codec}: it applies to --codec "
+                            f"{' / '.join(codecs)}; leave it out")  # fmt: skip
+    tiered_away = [n for n in _TIERED_AWAY if n in given(a)]
+    if a.codec == "lowrank" and a.lowrank_tiers and tiered_away:  # only if the tiers were given too
+        raise FlagError(f"{_flag(tiered_away[0])} does nothing with --lowrank-tiers {a.lowrank_tiers}: the "
+                        "tiers set the directions and bits of both directions; leave out one of the two "
+                        '(--lowrank-tiers "" codes --codec-k directions at 8 bits)')  # fmt: skip
     if a.lowrank_tiers:
         from node.stage.links import parse_tiers
 
@@ -342,7 +371,11 @@ def resolve_defaults(args: argparse.Namespace) -> None:
         args.microbatch_tokens = default_microbatch_tokens(pick_device(args.device, quiet=True))
     from node.stage.links import lowrank_layout
 
-    for name, value in lowrank_layout(args.microbatch_tokens).items():  # by the frames it sends
+    # by the frames it sends; another codec ignores the layout (its flags stay at their defaults)
+    layout = lowrank_layout(args.microbatch_tokens) if args.codec == "lowrank" else {}
+    if any(n in given(args) for n in _TIERED_AWAY):  # a k the user gave wins over the resolved tiers
+        layout["lowrank_tiers"] = ""
+    for name, value in layout.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
 

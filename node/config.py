@@ -523,6 +523,14 @@ class NodeConfig:
         min=0,
         group=NODE,
     )  # inner steps between checkpoints (and one at exit); 0 = never
+    keep_checkpoints: int = opt(
+        2,
+        help="complete checkpoints kept per stage; older ones are deleted once a newer one is on disk "
+        "(each holds the stage's weights and optimizer state) (default: %(default)s)",
+        min=1,
+        max=1000,
+        group=NODE,
+    )  # one is enough to resume (a save is atomic); two survive a newest one that fails to verify
     resume: bool = opt(
         False,
         help="continue from this node's newest complete checkpoint of the run (same stage, weights, "

@@ -430,7 +430,9 @@ def run_join(cfg: NodeConfig) -> int:
             )
             if cfg.ready_file:
                 with open(cfg.ready_file + ".tmp", "w") as f:
-                    json.dump({"peer_id": peer_id, "maddrs": maddrs, "stage": index}, f)
+                    # the codec as the run record has it (k clamped to the model's width): what the
+                    # links use, for the launcher's report
+                    json.dump({"peer_id": peer_id, "maddrs": maddrs, "stage": index, "codec": run.codec}, f)
                 os.replace(cfg.ready_file + ".tmp", cfg.ready_file)
             stage = source.load_stage(run.stages, index, device)
             stage.recompute = cfg.recompute_layers

@@ -143,7 +143,9 @@ class StageRuntime(Lifecycle):
         self.pipeline = Pipeline(
             ctx, self.gate, self.linkio, self.hops, self.stepper, data_stream, DROP_BACKOFF_S
         )
-        self.server = ForwardServer(ctx, self.pipeline.serve, self.stepper.step_if_due)
+        self.server = ForwardServer(
+            ctx, self.pipeline.serve, self.stepper.step_if_due, self.hops.refresh_routes
+        )
         # the entry points others call
         self.serve_forward = self.pipeline.serve_forward
         self.handle_stream = self.server.handle_stream

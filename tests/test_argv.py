@@ -219,3 +219,89 @@ def test_swarm_nodes_keep_the_layout_the_launcher_resolved():
     resolve_defaults(node)
     desc = codec_settings(config_from_args(node))
     assert "first_apart" not in desc and desc["tiers"] == [[24, 8], [88, 4]]
+
+
+def _checked(argv: list[str]) -> NodeConfig:
+    """``argv`` as ``node.cli.main`` takes it: parsed, resolved, its combination checked."""
+    from node.cli import check_run_flags, resolve_defaults
+
+    args = build_parser().parse_args(argv)
+    resolve_defaults(args)
+    check_run_flags(args)
+    return config_from_args(args)
+
+
+@pytest.mark.parametrize(
+    "flags, key, value",
+    [
+        (["--codec-k", "64"], "k", 64),
+        (["--codec-k", "80"], "k", 80),  # given at the codec's own k: still given, still wins
+        (["--lowrank-k-backward", "128"], "k_backward", 128),
+        (["--lowrank-backward-bits", "4"], "backward_bits", 4),
+    ],
+)
+def test_a_k_flag_given_at_long_frames_wins_over_the_resolved_tiers(flags, key, value):
+    """At 2,048-token frames the tiers are filled in and would override k: a k flag the user gives
+    clears them instead, in join and in every node a swarm starts."""
+    from node.stage.links import codec_settings
+
+    for cmd in ("join", "swarm"):
+        args = ["swarm", "--nodes", "2", "--model", "tiny:2"] if cmd == "swarm" else ["join"]
+        if cmd == "swarm":
+            from node.cli import resolve_defaults
+
+            parsed = build_parser().parse_args([*args, "--microbatch-tokens", "2048", *flags])
+            resolve_defaults(parsed)
+            node = node_command(parsed, 0, Path("/tmp/n0"), "rid", [])[3:]
+            desc = codec_settings(_checked(node))
+        else:
+            desc = codec_settings(_checked([*args, "--microbatch-tokens", "2048", *flags]))
+        assert "tiers" not in desc and desc[key] == value, (cmd, desc)
+    # left out: the tiers of long frames, as before
+    assert codec_settings(_checked(["join", "--microbatch-tokens", "2048"]))["tiers"] == [[24, 8], [88, 4]]
+
+
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (["--lowrank-tiers", "24x8,88x4", "--codec-k", "64"], "--codec-k does nothing with --lowrank-tiers"),
+        (["--lowrank-tiers", "24x8", "--lowrank-k-backward", "9"], "--lowrank-k-backward does nothing with"),
+        (["--lowrank-tiers", "24x8", "--lowrank-backward-bits", "4"], "--lowrank-backward-bits does nothing"),
+        (["--codec", "dense", "--codec-k", "64"], "--codec-k does nothing with --codec dense"),
+        (["--codec", "mask", "--codec-k", "64"], "--codec-k does nothing with --codec mask"),
+        (
+            ["--codec", "pca", "--lowrank-k-backward", "9"],
+            "--lowrank-k-backward does nothing with --codec pca",
+        ),
+        (["--codec", "topk", "--lowrank-backward-bits", "8"], "--lowrank-backward-bits does nothing with"),
+        (["--codec", "dense", "--mask-rate", "0.9"], "--mask-rate does nothing with --codec dense"),
+        (["--codec", "int8", "--pca-dtype", "float32"], "--pca-dtype does nothing with --codec int8"),
+        (["--codec", "pca", "--lowrank-tiers", "24x8"], "--lowrank-tiers does nothing with --codec pca"),
+        (["--codec", "dense", "--lowrank-first", "apart"], "--lowrank-first does nothing with --codec dense"),
+    ],
+)
+def test_a_flag_its_setting_ignores_is_refused_in_one_line(flags, match):
+    from node.cli import FlagError
+
+    with pytest.raises(FlagError, match=match) as e:
+        _checked(["join", *flags])
+    assert "\n" not in str(e.value)
+
+
+def test_a_value_flag_at_its_default_with_another_codec_is_taken():
+    """bench/harness.py pins --mask-rate 0.95 for every codec: at the default it changes nothing."""
+    assert _checked(["join", "--codec", "dense", "--mask-rate", "0.95"]).codec == "dense"
+    assert _checked(["join", "--codec", "mask", "--mask-rate", "0.9"]).mask_rate == 0.9
+    # another codec at long frames: no lowrank layout resolved, so a swarm's nodes are not refused
+    from node.cli import resolve_defaults
+
+    parsed = build_parser().parse_args(["swarm", "--codec", "dense", "--microbatch-tokens", "2048"])
+    resolve_defaults(parsed)
+    assert _checked(node_command(parsed, 0, Path("/tmp/n0"), "rid", [])[3:]).codec == "dense"
+
+
+def test_codec_k_flags_of_the_codecs_they_act_on_are_taken():
+    from node.stage.links import codec_settings
+
+    assert codec_settings(_checked(["join", "--codec", "pca", "--codec-k", "58"]))["k"] == 58
+    assert codec_settings(_checked(["join", "--lowrank-tiers", "", "--codec-k", "64"]))["k"] == 64

@@ -67,6 +67,14 @@ CASES = [
     ("density-0", [*J, "--dp", "scape", "--density", "0"], ["--density", "(0, 1]"], {}),
     ("outer-timeout-0", [*J, "--outer-timeout", "0"], ["--outer-timeout", "> 0"], {}),  # a part's _f range
     ("codec-choice", [*J, "--codec", "zip"], ["--codec", "'zip'", "lowrank"], {}),
+    ("codec-k-ignored", [*J, "--codec", "dense", "--codec-k", "64"], ["--codec-k", "--codec dense"], {}),
+    (
+        "codec-k-under-tiers",
+        [*J, "--lowrank-tiers", "24x8,88x4", "--codec-k", "64"],
+        ["--codec-k", "--lowrank-tiers 24x8,88x4"],
+        {},
+    ),
+    ("keep-checkpoints-0", [*J, "--keep-checkpoints", "0"], ["--keep-checkpoints", "[1, 1000]"], {}),
     ("swarm-max-inflight-0", ["swarm", "--max-inflight", "0"], ["--max-inflight", ">= 1"], {}),
     ("swarm-hop-timeout-0", ["swarm", "--hop-timeout", "0"], ["--hop-timeout", "> 0"], {}),
     ("swarm-eval-neg", ["swarm", "--eval", "-1"], ["--eval", ">= 0", "-1"], {}),

@@ -279,6 +279,9 @@ class _FlipOneByte:
     async def recv(self, *a):
         return await self.wire.recv(*a)
 
+    def caps(self, *a):
+        return self.wire.caps(*a)
+
 
 def test_live_pull_checks_the_digest_over_real_streams():
     """The real WeightServer over real libp2p: an intact pull is exact fp32, a flipped byte is refused."""
@@ -287,6 +290,7 @@ def test_live_pull_checks_the_digest_over_real_streams():
     from node.net.wire import Wire
     from node.swarm.export import _Visitor
     from node.swarm.weights import WEIGHTS_HANDLER, WeightServer
+    from protocol.frames import FrameError
 
     model = load_model("tiny:4", seed=0)[0]
     stage = _trained_stages(model, RANGES3)[1]
@@ -302,6 +306,8 @@ def test_live_pull_checks_the_digest_over_real_streams():
             compute=compute,
             stage=stage,
             inner_step=5,
+            routes=[{}, {}],  # the export is no member of the stage: a visitor
+            index=1,
         )
         server = await P2P.create()
         client = await P2P.create(initial_peers=await server.get_visible_maddrs())
@@ -316,6 +322,15 @@ def test_live_pull_checks_the_digest_over_real_streams():
             )
             rt.wire = _FlipOneByte(Wire())
             with pytest.raises(ExportError, match="stage 1 from peer .*: weights digest mismatch"):
+                await pull_stage(_Visitor(client, Wire(), "t"), peer, 1, 20.0)
+            # an export is a visitor: all visitors together get a burst of 3 pulls, then busy (a
+            # stranger cannot keep the node cloning and sending its stage)
+            rt.wire = Wire()
+            await pull_stage(_Visitor(client, Wire(), "t"), peer, 1, 20.0)
+            await pull_stage(_Visitor(client, Wire(), "t"), peer, 1, 20.0)
+            await pull_stage(_Visitor(client, Wire(), "t"), peer, 1, 20.0)
+            refused = "busy: over 0.05 requests/s from peers without a record of this stage; slow down"
+            with pytest.raises(FrameError, match=refused):
                 await pull_stage(_Visitor(client, Wire(), "t"), peer, 1, 20.0)
         finally:
             await client.shutdown()

@@ -41,6 +41,7 @@ def loop(rt):
         STAGE_PEER: StageRecord(circuit="fast", ready=True, inner_step=0),
         ANCHOR: StageRecord(circuit="anchor", ready=True, inner_step=0),
     }
+    rt.routes[0] = {STAGE_PEER: StageRecord(circuit="fast", ready=True, inner_step=0)}  # an upstream
     rt.inner_step = 0
     yield lp
     lp.close()
@@ -263,5 +264,101 @@ def test_a_burst_of_streams_over_libp2p_is_answered_every_one(rt, loop):
             rt.p2p = None
             await cli.shutdown()
             await srv.shutdown()
+
+    loop.run_until_complete(main())
+
+
+def _hold(rt, peers: list[str]) -> list:
+    """One stream per peer id, open with nothing sent yet: (its reader, its task)."""
+    held = [asyncio.StreamReader() for _ in peers]
+    tasks = [
+        asyncio.ensure_future(rt.handle_stream(types.SimpleNamespace(peer_id=p), r, FakeWriter()))
+        for p, r in zip(peers, held)
+    ]
+    return list(zip(held, tasks))
+
+
+async def _release(held: list) -> None:
+    for r, _ in held:
+        r.feed_eof()
+    await asyncio.wait_for(asyncio.gather(*(t for _, t in held)), 20)
+
+
+def test_streams_of_the_stage_before_meet_the_node_wide_bound(rt, loop, monkeypatch):
+    """Upstreams known to the routes, many of them: past MAX_STREAMS held at once, the rest are busy."""
+    monkeypatch.setattr(server_mod, "MAX_STREAMS", 16)
+    frame = prefixed(pack(valid_body(random.Random(4))))
+    upstreams = [f"QmUpstream{i}" for i in range(16)]
+    rt.routes[0].update({p: StageRecord(circuit="fast", ready=True, inner_step=0) for p in upstreams})
+
+    async def main():
+        held = _hold(rt, upstreams)
+        await asyncio.sleep(0.1)
+        reply = _reply(await _call(rt.handle_stream, STAGE_PEER, frame))
+        assert reply.meta.get("code") == "busy" and "16 such streams at once" in reply.meta["message"]
+        await _release(held)
+        assert _reply(await _call(rt.handle_stream, STAGE_PEER, frame)).kind == "backward"  # room again
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        for p in upstreams:
+            rt.routes[0].pop(p)
+
+
+def test_minted_peer_ids_fill_only_the_visitors_lane(rt, loop):
+    """Senders the routes do not show share VISITOR_STREAMS; the stage before's peers are still
+    served while that lane is full, and an unknown sender asks for one throttled route refresh."""
+    frame = prefixed(pack(valid_body(random.Random(5))))
+    lane = server_mod.VISITOR_STREAMS
+
+    async def main():
+        rt.server._recheck._last = float("-inf")  # no refresh lately (earlier tests asked for some)
+        refreshes = rt.server._recheck.refreshes
+        held = _hold(rt, [f"QmMinted{i}" for i in range(lane)])
+        await asyncio.sleep(0.1)
+        reply = _reply(await _call(rt.handle_stream, STRANGER, frame))
+        assert reply.meta.get("code") == "busy" and f"{lane} such streams at once" in reply.meta["message"]
+        assert _reply(await _call(rt.handle_stream, STAGE_PEER, frame)).kind == "backward"
+        await _release(held)
+        assert _reply(await _call(rt.handle_stream, STRANGER, frame)).kind == "backward"  # room again
+        # a flood of unknown ids within a second: one refresh, not one each
+        assert rt.server._recheck.refreshes - refreshes == 1
+
+    loop.run_until_complete(main())
+
+
+# ---------------------------------------------------------------------- 5. weight pulls
+
+
+def _first(w: FakeWriter) -> Frame:
+    n = int.from_bytes(w.buf[:8], "big")
+    return decode_frame(bytes(w.buf[8 : 8 + n]), run_id=RUN_ID, check_finite=False)
+
+
+def test_weight_pulls_members_one_each_and_all_visitors_one_budget(rt, loop):
+    """A member of the stage (a record in its routes) is served; every visitor (an export, a
+    stranger, a minted id) shares one pull at a time and one small burst, node-wide."""
+    ask = prefixed(encode_frame(Frame(kind="weights", run_id=RUN_ID)))
+    ws = rt.weight_server
+
+    async def main():
+        # a visitor holds the one visitor slot (its request not sent yet): another id is busy
+        r, w = asyncio.StreamReader(), FakeWriter()
+        holder = asyncio.ensure_future(ws.handle(types.SimpleNamespace(peer_id="QmVisitor0"), r, w))
+        await asyncio.sleep(0.05)
+        other = _first(await _call(ws.handle, "QmVisitor1", ask))
+        assert other.meta.get("code") == "busy" and "1 such streams at once" in other.meta["message"]
+        # a member is served meanwhile, and again and again (no rate: it is one of us)
+        for _ in range(4):
+            assert _first(await _call(ws.handle, STAGE_PEER, ask)).kind == "weights"
+        r.feed_data(ask)
+        r.feed_eof()
+        await asyncio.wait_for(holder, 20)
+        assert _first(w).kind == "weights"
+        # the visitors' burst (3, the holder's included), then refused by rate, whoever asks
+        got = [_first(await _call(ws.handle, f"QmVisitor{i}", ask)) for i in range(2, 6)]
+        assert [f.kind for f in got[:2]] == ["weights"] * 2, [f.meta for f in got]
+        assert all(f.meta.get("code") == "busy" and "requests/s" in f.meta["message"] for f in got[2:])
 
     loop.run_until_complete(main())

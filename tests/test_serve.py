@@ -143,3 +143,93 @@ def test_error_reply_codes():
     assert error_reply(RUN, asyncio.TimeoutError()).meta["code"] == "busy"
     assert error_reply(RUN, KeyError("x")).meta["code"] == "internal"
     assert error_reply(RUN, RuntimeError("x"), "downstream").meta["code"] == "downstream"
+
+
+def test_a_flooding_peer_is_refused_while_an_honest_peer_is_served():
+    """``serve``'s caps over real p2pd: streams past a peer's concurrency bound are answered busy
+    unread, the node-wide bound holds against a second and third peer id, a peer over the rate
+    is refused, struck and banned, and an honest peer is served throughout."""
+    from node.net.caps import Limits
+
+    wire = Wire()
+    wire.bans = BanList(threshold=3)
+    held = asyncio.Event()  # set: the held streams' bodies finish
+    served: list[str] = []
+    hold_limits = Limits(per_peer=2, total=4)
+    rate_limits = Limits(per_peer=4, total=8, rate=1.0, burst=3)
+
+    async def body(s) -> None:
+        req = decode_frame(await s.receive(4096, idle=IDLE), run_id=RUN)
+        served.append(s.peer)
+        if req.meta.get("hold"):
+            await held.wait()
+        await s.send(Frame(kind="weights", run_id=RUN, step=req.step, meta={"last": 1}))
+
+    def handler(name: str, limits: Limits):
+        async def handle(info, reader, writer) -> None:
+            await serve(
+                info, reader, writer, wire, body, run_id=RUN, timeout=IDLE, caps=wire.caps(name, limits)
+            )
+
+        return handle
+
+    async def ask(cli, peer: str, name: str, hold: bool = False) -> Frame:
+        """One request; the reply frame (an error frame for a refusal), within ANSWER_S."""
+        reader, writer = await rpc.open_stream(cli, peer, name, 10)
+        try:
+            await wire.send(
+                writer, encode_frame(Frame(kind="weights", run_id=RUN, step=7, meta={"hold": int(hold)})), 10
+            )
+            return decode_frame(await wire.recv(reader, 1 << 20, ANSWER_S), run_id=RUN)
+        finally:
+            writer.close()
+
+    async def main():
+        srv = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        maddrs = [str(a) for a in await srv.get_visible_maddrs()]
+        flood, flood2, flood3, honest = [await P2P.create(initial_peers=maddrs) for _ in range(4)]
+        peer = srv.peer_id.to_base58()
+        try:
+            await srv.add_binary_stream_handler("serve.hold", handler("serve.hold", hold_limits))
+            await srv.add_binary_stream_handler("serve.rate", handler("serve.rate", rate_limits))
+
+            # 1. one peer opens 6 streams it holds: 2 are served, 4 answered busy unread
+            tasks = [asyncio.ensure_future(ask(flood, peer, "serve.hold", hold=True)) for _ in range(6)]
+            for _ in range(200):
+                if len(served) == 2 and sum(t.done() for t in tasks) == 4:
+                    break
+                await asyncio.sleep(0.05)
+            busy = [t.result() for t in tasks if t.done()]
+            holding = [t for t in tasks if not t.done()]
+            assert len(served) == 2 and len(busy) == 4, (served, busy)
+            assert all(f.meta["code"] == "busy" and "concurrent streams" in f.meta["message"] for f in busy)
+            # the honest peer is served meanwhile
+            assert (await ask(honest, peer, "serve.hold")).kind == "weights"
+            # 2. minted ids fill the node-wide bound: a third peer is refused by it, not by its own
+            more = [asyncio.ensure_future(ask(flood2, peer, "serve.hold", hold=True)) for _ in range(2)]
+            for _ in range(200):
+                if len(served) == 5:
+                    break
+                await asyncio.sleep(0.05)
+            third = await ask(flood3, peer, "serve.hold")
+            assert third.meta.get("code") == "busy" and "4 such streams at once" in third.meta["message"]
+            held.set()
+            assert all(f.kind == "weights" for f in await asyncio.gather(*holding, *more))
+            assert wire.bans.strikes(flood.peer_id.to_base58()) == 0  # concurrency is not struck
+
+            # 3. a peer over the rate: its burst served, then refused and struck, then banned
+            me = flood.peer_id.to_base58()
+            replies = []
+            for _ in range(8):
+                try:
+                    replies.append((await ask(flood, peer, "serve.rate")).meta.get("code", "ok"))
+                except (FrameError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+                    replies.append("closed")  # banned: the stream closed unanswered
+            assert replies[:3] == ["ok"] * 3 and replies[3:6] == ["busy"] * 3, replies
+            assert replies[6:] == ["closed"] * 2 and wire.bans.is_banned(me), replies
+            assert (await ask(honest, peer, "serve.rate")).kind == "weights"
+        finally:
+            for p in (flood, flood2, flood3, honest, srv):
+                await p.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 120))

@@ -26,6 +26,7 @@ import torch
 
 from compression.spectral import is_target_matrix
 from node.net import rpc
+from node.net.caps import Limits
 from node.net.serve import NotAllowed, serve
 from node.net.wire import IDLE_S
 from node.swarm.routing import anchor_peers_of_stage, fast_peers_of_stage
@@ -42,6 +43,8 @@ from protocol.frames import (
 log = logging.getLogger("node")
 
 ANCHOR_HANDLER = "vnode.anchor"
+# an anchor sends its packet every few steps, a frame per group of factors, one after another
+LIMITS = Limits(per_peer=2, total=16)
 FACTORS_PER_FRAME = MAX_TENSORS // 2
 # |entry| of a factor (U·diag(s) or V): an honest one is bounded by the gradient's spectral norm,
 # far below this; the filter only uses the leading subspace, so only a hostile packet gets near it
@@ -88,6 +91,7 @@ class PacketSink:
             timeout=rt.cfg.hop_timeout,
             what="anchor packet",
             on_error=self._refused,
+            caps=rt.wire.caps(ANCHOR_HANDLER, LIMITS),
         )
 
     def _anchor(self, peer: str) -> int:

@@ -75,10 +75,12 @@ from node.dp.scape_wire import (  # noqa: F401  (INITIAL_LINEAGE, winning_lineag
     winning_lineage,
 )
 from node.dp.strategies import mean_and_clip
+from node.net.caps import Limits
 from node.net.rpc import PeerUnreachable, send_only
 from node.net.serve import NotAllowed, serve
 from node.net.wire import IDLE_S
 from node.stage.step import StepGate, StepResult
+from node.swarm.recheck import RouteRecheck
 from node.swarm.routing import fast_peers_of_stage
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame
 
@@ -90,7 +92,9 @@ EPS = 1e-8
 _PHASES = ("values", "mask", "anchor")
 _KEEP_STEPS = 4  # inbox entries older than this many steps are dropped
 AHEAD_STEPS = 8  # frames for steps further ahead (of ours and of the sender's record) are refused
-ROUTE_RECHECK_S = 2.0  # an unknown sender triggers a route refresh at most this often
+# replicas send one message per phase per step, a few at once when one lags; a stranger's
+# streams are refused unread, so the node-wide bound is what a flood of minted ids meets
+LIMITS = Limits(per_peer=8, total=64)
 
 
 class Refused(FrameError):
@@ -135,7 +139,7 @@ class ScapeSync:
         self.alone = self.missing = self.mismatched = self.refused = 0
         self.lineage, self.applied = INITIAL_LINEAGE, 0
         self.reanchors = self.anchor_bytes = self.anchor_received = 0  # sent by a donor / adopted
-        self._routes_checked = -ROUTE_RECHECK_S
+        self._recheck = RouteRecheck(refresh_routes)
         # what one honest sender can have in the inbox: a whole re-anchoring state (12 bytes per
         # parameter), bf16 values and a mask slice (< 1 byte per parameter) for the steps kept
         self.inbox_bytes_per_peer = 12 * self.numel + (_KEEP_STEPS + 2) * 3 * self.numel + (1 << 20)
@@ -159,6 +163,7 @@ class ScapeSync:
             what="scape message",
             answer=False,  # one-way: the sender reads no reply
             on_error=self._refused,
+            caps=rt.wire.caps(SCAPE_HANDLER, LIMITS),
         )
 
     async def _replica(self, peer: str) -> int:
@@ -194,10 +199,7 @@ class ScapeSync:
         (it joined since the last heartbeat) gets one route refresh, at most every few seconds."""
         if peer in fast_peers_of_stage(self.rt):
             return True
-        now = time.monotonic()
-        if now - self._routes_checked >= ROUTE_RECHECK_S:
-            self._routes_checked = now
-            await self.refresh_routes()
+        await self._recheck()
         return peer in fast_peers_of_stage(self.rt)
 
     def _check_step(self, peer: str, step: int) -> bool:

@@ -52,9 +52,11 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from node.net import rpc
+from node.net.caps import Limits
 from node.net.serve import NotAllowed, Stream, serve
 from node.stage.context import StageContext
 from node.stage.step import StepGate
+from node.swarm.recheck import RouteRecheck
 from node.swarm.routing import fast_peers_of_stage
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame
 
@@ -62,6 +64,9 @@ log = logging.getLogger("node")
 
 TIED_HANDLER = "vnode.tied"
 STEP_WINDOW = 2  # a gradient more than this many steps away from ours is refused, not stored
+# a partner sends one gradient per step (a replica of the partner stage too, before it learns
+# that it does not pair); a dense tail gradient is ~100 MB, so few are read at once
+LIMITS = Limits(per_peer=2, total=4)
 REPAIR_EVERY = 10  # steps between offers to a partner that answered it does not pair with us
 
 
@@ -119,6 +124,7 @@ class TiedExchange:
         refresh_routes: Callable[[], Awaitable[None]],
     ) -> None:
         self.ctx, self.param, self.deadline_s, self.refresh_routes = ctx, param, deadline_s, refresh_routes
+        self._recheck = RouteRecheck(refresh_routes)
         self.partner = ctx.n_stages - 1 if ctx.is_head else 0
         # (step, sender) -> a partner's mean gradient, dense; the newest step of each sender
         self.inbox: dict[tuple[int, str], torch.Tensor] = {}
@@ -224,13 +230,14 @@ class TiedExchange:
             timeout=ctx.cfg.hop_timeout,
             what="tied gradient",
             strikes=False,
+            caps=ctx.wire.caps(TIED_HANDLER, LIMITS),
         )
 
     async def _partner_peer(self, peer: str) -> int:
         """The sender check: only a peer of the partner stage may send (before its gradient is read)."""
         ctx = self.ctx
         if peer not in ctx.routes[self.partner]:
-            await self.refresh_routes()
+            await self._recheck()  # throttled: a stranger's stream must not cost a DHT read each
         if peer not in ctx.routes[self.partner]:
             raise NotAllowed(f"{peer[:12]} does not serve stage {self.partner}")
         return MAX_FRAME_BYTES

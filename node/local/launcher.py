@@ -63,6 +63,9 @@ def node_command(
         ready_file=str(nodedir / "ready.json"),
         threads=args.threads_per_node,
         heartbeat_s=1.0,
+        # a local run's checkpoints serve its export and a --restart-dead resume: the newest is
+        # enough (a save is atomic), and a second copy of every node's state doubled its disk use
+        keep_checkpoints=1,
         wait_peers=args.nodes + args.anchors * args.stages,
         circuit=circuit,
         peers=list(peers),
@@ -201,6 +204,23 @@ def tail_steps(metrics: list[dict], n_stages: int) -> int:
     return max((m["inner_step"] for m in fast_tails), default=0)
 
 
+def progress(metrics: list[dict], nodes: int, n_stages: int, steps: int) -> str:
+    """What the swarm is doing, in the words a user watching it needs. Before the first step there is
+    no loss to show (a demo used to print ``loss nan`` for its first 30-40 s): say what it waits for."""
+    serving = {m["stage"] for m in metrics}
+    missing = [s for s in range(n_stages) if s not in serving]
+    losses = [m["step_losses"][-1] for m in metrics if m["step_losses"]]
+    done = tail_steps(metrics, n_stages)
+    if losses:
+        return f"step {done}/{steps}  loss {losses[-1]:.3f}"
+    if not metrics:
+        return f"starting: {nodes} nodes loading their stages' weights; no step yet"
+    if missing:
+        which = f"stage{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+        return f"waiting for stages: {len(metrics)}/{nodes} nodes serving, {which} not yet"
+    return f"every stage served ({len(metrics)}/{nodes} nodes); the first step is under way"
+
+
 def _table(metrics: list[dict], steps: int, n_stages: int, t0: float):
     from rich.table import Table
 
@@ -240,13 +260,6 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _codec_settings(args) -> dict | None:
-    """The link the run's starter published (as its run record has it); subspace's needs the model."""
-    from node.stage.links import codec_settings
-
-    return None if args.codec == "subspace" else codec_settings(config_from_args(args))
-
-
 def check_inputs(args) -> None:
     """What the flags name, checked before any node starts: otherwise a bad --data is found by the
     head only after it claimed stage 0, and shows here as a node that died."""
@@ -283,6 +296,7 @@ def run_swarm(args) -> int:
     status = 0
     held = before = None
     dashboard = None
+    published: dict | None = None  # the codec the run record carries (node 0's ready file)
     rates: list[tuple[float, dict]] = []
     memory = PeakMemory()
     try:
@@ -293,6 +307,7 @@ def run_swarm(args) -> int:
             flush=True,
         )
         proc, ready = start_node(args, 0, report, run_id, [])
+        published = ready.get("codec")
         procs.append(proc)
         stages.append(ready["stage"])
         bootstrap = [a for a in ready["maddrs"] if "127.0.0.1" in a] or ready["maddrs"]
@@ -329,7 +344,7 @@ def run_swarm(args) -> int:
         run_id=run_id,
         model=args.model,
         codec=args.codec,
-        codec_settings=_codec_settings(args),
+        codec_settings=published,
         elapsed_s=time.monotonic() - t_start,
     )
     model_line = ""
@@ -345,9 +360,9 @@ def run_swarm(args) -> int:
         plot_loss(
             rep["loss"], report / "loss.png", title=f"{args.model}, {args.stages} stages, {args.nodes} nodes"
         )
-    first, last = (rep["loss"][0], rep["loss"][-1]) if rep["loss"] else (float("nan"), float("nan"))
+    loss = f"loss {rep['loss'][0]:.3f} -> {rep['loss'][-1]:.3f}" if rep["loss"] else "no step taken"
     print(
-        f"report: {report / 'report.json'}  steps {len(rep['loss'])}  loss {first:.3f} -> {last:.3f}  "
+        f"report: {report / 'report.json'}  steps {len(rep['loss'])}  {loss}  "
         f"tokens {rep['tokens']}  dropped {rep['dropped_microbatches']}",
         flush=True,
     )
@@ -358,9 +373,30 @@ def run_swarm(args) -> int:
             f"(PSS; largest node {max(memory.per_node.values()) / 1e9:.1f} GB)",
             flush=True,
         )
+    if args.export and rep.get("eval") and "error" not in rep["eval"]:
+        freed = prune_checkpoints(report, len(procs))
+        print(
+            f"removed the nodes' checkpoints ({freed / 1e9:.2f} GB): the export holds the model", flush=True
+        )
     if model_line:  # the held-out line last: what a demo user looks for
         print(model_line, flush=True)
     return status
+
+
+def prune_checkpoints(report: Path, n: int) -> int:
+    """Delete the nodes' checkpoints once the export is written; the bytes freed. A local run's id
+    is new each time, so nothing resumes from them, and they were most of a demo's disk (2.5 GB a
+    node, full fine-tuning of the bundled model). Without --export they stay: they are then the
+    only way to the model (``node export --checkpoints DIR/nodes``)."""
+    import shutil
+
+    freed = 0
+    for i in range(n):
+        ckpts = report / "nodes" / str(i) / "checkpoints"
+        if ckpts.is_dir():
+            freed += sum(f.stat().st_size for f in ckpts.rglob("*") if f.is_file())
+            shutil.rmtree(ckpts, ignore_errors=True)
+    return freed
 
 
 # ---------------------------------------------------------------------- --eval / --export
@@ -567,13 +603,9 @@ def watch(
                 rates.append((time.monotonic() - t0, link_totals(metrics)))
             if live is not None and metrics:
                 live.update(_table(metrics, args.steps, args.stages, t0))
-            elif time.monotonic() - last_print > 10 and metrics:
-                losses = [m["step_losses"][-1] for m in metrics if m["step_losses"]]
-                print(
-                    f"  step {done}/{args.steps}  loss {losses[-1] if losses else float('nan'):.3f}  "
-                    f"{time.monotonic() - t0:.0f}s",
-                    flush=True,
-                )
+            elif time.monotonic() - last_print > 10:
+                line = progress(metrics, len(procs), args.stages, args.steps)
+                print(f"  {line}  {time.monotonic() - t0:.0f}s", flush=True)
                 last_print = time.monotonic()
             if done >= args.steps:
                 return 0

@@ -72,10 +72,36 @@ _CKPT_RE = re.compile(r"^ckpt-(\d{8,})(?:\.(\d+))?$")
 _TMP_RE = re.compile(r"^\.(?:tmp|trash)-.*-(\d+)-[0-9a-f]{8}$|^\.latest\.tmp-(\d+)$")
 _EXTRA_NAME_RE = re.compile(r"^[A-Za-z0-9_]{1,64}$")
 _CHUNK = 1 << 20
+LAST_ERROR = "last-error"  # why this directory's last save failed (removed by the next that works)
+# beyond the tensors' bytes: safetensors headers, the manifest, the file system's blocks
+SLACK_BYTES = 16 << 20
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written, or one on disk failed verification (one line)."""
+
+
+class NoSpace(CheckpointError):
+    """Too little free space for a write: checked before the first byte, so nothing is half-written."""
+
+
+def check_free_space(path: str | os.PathLike, need: int, what: str, fix: str) -> None:
+    """Raise ``NoSpace`` naming ``path``, the bytes ``what`` needs and the bytes free, and ``fix``,
+    unless the file system holding ``path`` (or its nearest existing parent) has ``need`` free."""
+    where = Path(path).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if free < need:
+        raise NoSpace(f"{what} needs {_gb(need)} in {path}, {_gb(free)} free there: {fix}")
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def tensor_bytes(files: Mapping[str, Mapping[str, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for tensors in files.values() for t in tensors.values())
 
 
 @dataclass
@@ -377,6 +403,14 @@ def save_checkpoint(
         files[f"extra-{name}.safetensors"] = _prepare_tensors(t)
         structure["extra"][name] = skel
 
+    # the old checkpoints go only once this one is durable, so the whole of it must fit now
+    check_free_space(
+        root,
+        tensor_bytes(files) + SLACK_BYTES,
+        f"the checkpoint of step {step}",
+        "free space there, lower --keep-checkpoints, or point --state-dir at a larger disk "
+        "(the previous checkpoints are kept)",
+    )
     base = f"ckpt-{step:08d}"
     tmp = root / f".tmp-{base}-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
@@ -408,6 +442,11 @@ def save_checkpoint(
             n += 1
             final = root / f"{base}.{n}"
         os.rename(tmp, final)
+    except OSError as e:  # a disk that filled meanwhile: one line, nothing left half-written
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"writing the checkpoint of step {step} in {root} failed: {e.strerror or e}"
+        ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -423,7 +462,26 @@ def save_checkpoint(
     _fsync_dir(root)
 
     _retain(root, final, keep)
+    (root / LAST_ERROR).unlink(missing_ok=True)
     return final
+
+
+def note_failure(dirpath: str | os.PathLike, why: str) -> None:
+    """Leave why a save failed in ``dirpath`` (``LAST_ERROR``), for export to name the real cause
+    when no checkpoint is there; best effort: on a full disk even this small write may fail."""
+    try:
+        Path(dirpath).mkdir(parents=True, exist_ok=True)
+        (Path(dirpath) / LAST_ERROR).write_text(why + "\n")
+    except OSError:
+        pass
+
+
+def last_failure(dirpath: str | os.PathLike) -> str | None:
+    """The failure ``note_failure`` left in ``dirpath``, if any."""
+    try:
+        return (Path(dirpath) / LAST_ERROR).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _retain(root: Path, newest: Path, keep: int) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 
+from node.net.caps import Limits
 from node.net.rpc import open_stream
 from node.net.serve import Stream, serve
 from node.net.transport import close_quietly
@@ -21,6 +22,8 @@ from node.net.wire import Wire
 
 ALIVE_HANDLER = "vnode.alive"
 ANSWER_S = 10.0  # behind saturated links a small message waits seconds (dense@16: 5 s was too short)
+# asked once per expired record and hop (node.stage.hop): an honest node asks a few times a second
+LIMITS = Limits(per_peer=4, total=64, rate=5.0, burst=10)
 _YES = b"\x01"
 _ANYONE = Wire()  # no key, no bans: the answer of a node that was not given its own wire
 
@@ -28,18 +31,20 @@ _ANYONE = Wire()  # no key, no bans: the answer of a node that was not given its
 async def handle_alive(
     stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, wire: Wire | None = None
 ) -> None:
-    """The answer: one byte, nothing read. ``wire``: the node's, for its ban list."""
+    """The answer: one byte, nothing read. ``wire``: the node's, for its ban list and bounds."""
+    wire = _ANYONE if wire is None else wire
     await serve(
         stream_info,
         reader,
         writer,
-        _ANYONE if wire is None else wire,
+        wire,
         _yes,
         run_id="",
         timeout=ANSWER_S,
         what="alive question",
         answer=False,
         strikes=False,
+        caps=wire.caps(ALIVE_HANDLER, LIMITS),
     )
 
 

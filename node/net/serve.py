@@ -21,23 +21,33 @@ rule about who may send what, and how much, is written once.
   against the sender (``strikes``); a body that returns forgives a strike. The stream is always closed
   quietly, and nothing escapes into the transport.
 
-Caps on the streams served at once (per peer, node-wide) belong in ``serve``, beside the ban
-check: every stream of every handler passes there before a byte is read.
+* a handler's ``caps`` (``node.net.caps``: streams per peer and node-wide, a per-peer rate) are
+  checked after the ban list and before a byte is read; a stream over them is answered ``busy``
+  with the bound it passed, and struck only when it passed the rate. A handler whose bound
+  depends on the sender's role holds its ``Caps`` in its body instead (the weight server).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
 
+from node.net.caps import Caps, OverCap
 from node.net.transport import close_quietly
 from node.net.wire import IDLE_S, Idle, Wire, skip_message
 from protocol.auth import Unauthorized
 from protocol.frames import Frame, FrameError, encode_frame, error_frame
 
 log = logging.getLogger("node")
+
+# a stream over a handler's caps whose request is this small is read and thrown away before it is
+# answered: closing a stream with unread bytes resets it and loses the answer (a weights or basis
+# request is < 4 KiB). A larger one is left unread: its sender may see a reset instead of busy.
+# A stream that sends nothing is answered after REFUSED_IDLE_S, so a refusal costs little time.
+REFUSED_READ_BYTES = 64 << 10
+REFUSED_IDLE_S = 2.0
 
 Sender = Callable[[str], "int | Awaitable[int]"]
 """A handler's sender check: the byte limit of one message from this peer id; raises ``NotAllowed``
@@ -126,32 +136,36 @@ async def serve(
     answer: bool = True,
     strikes: bool = True,
     on_error: OnError | None = None,
+    caps: Caps | None = None,
 ) -> bool:
     """Run ``body`` on one incoming stream (the module docstring); True if it returned.
 
     ``what`` names the request in logs; ``answer``: False for one-way handlers, which write no
-    error reply; ``strikes``: False for handlers whose refusals do not count towards a ban."""
+    error reply; ``strikes``: False for handlers whose refusals do not count towards a ban (a
+    stream over ``caps``' rate is struck all the same: that bound exists to stop floods)."""
     s = Stream(stream_info, reader, writer, wire, run_id, timeout)
     bans = getattr(wire, "bans", None)  # a test double without a ban list bans nobody
     try:
         if bans is not None and bans.is_banned(s.peer):  # costs a banned peer nothing but a closed stream
             return False
-        heard = getattr(wire, "heard", None)
-        if heard is not None:  # the connection this stream rode works (node.swarm.reverse reads it)
-            heard[s.peer] = time.monotonic()
-        # caps on the streams served at once, per peer and node-wide, go here: before a byte is read
+        if hasattr(wire, "hear"):  # the connection this stream rode works (node.swarm.reverse reads it)
+            wire.hear(s.peer)
         try:
-            await body(s)
+            with contextlib.nullcontext() if caps is None else caps.hold(s.peer):  # before a byte is read
+                await body(s)
         except Exception as e:
             if s.answered:  # the reply was under way: the sender went away, there is no one to answer
                 log.debug("%s stream from %s ended: %s: %s", what, s.peer[:12], type(e).__name__, e)
                 return False
             code = on_error(s, e) if on_error is not None else None
             _log(what, s.peer, e, code)
-            if strikes and bans is not None and isinstance(e, FrameError) and not isinstance(e, NotAllowed):
+            if bans is not None and _struck(e, strikes):
                 if bans.record_bad(s.peer):
                     log.warning("banning %s for repeated invalid %ss (last: %s)", s.peer[:12], what, e)
             if answer:
+                if isinstance(e, OverCap):
+                    with contextlib.suppress(FrameError, Idle, OSError):
+                        await s.skip(REFUSED_READ_BYTES, REFUSED_IDLE_S)
                 await s.refuse(e, code)
             return False
         if strikes and bans is not None:
@@ -161,8 +175,18 @@ async def serve(
         close_quietly(writer)
 
 
+def _struck(e: Exception, strikes: bool) -> bool:
+    """Whether ``e`` counts against its sender: a frame defect where the handler strikes, never a
+    refused role (it cost nothing), a concurrency bound only when it was the rate."""
+    if isinstance(e, OverCap):
+        return e.strike
+    return strikes and isinstance(e, FrameError) and not isinstance(e, NotAllowed)
+
+
 def _log(what: str, peer: str, e: Exception, code: str | None) -> None:
-    if isinstance(e, FrameError):  # the sender's fault: worth a line
+    if isinstance(e, OverCap):  # a flood would be a flood of lines: its Caps count it
+        log.debug("%s from %s refused: %s", what, peer[:12], e)
+    elif isinstance(e, FrameError):  # the sender's fault: worth a line
         log.info("%s from %s refused: %s", what, peer[:12], e)
     elif code is None and not isinstance(e, asyncio.TimeoutError):  # ours: a bug, or a part failing
         log.warning("internal error serving a %s from %s: %s: %s", what, peer[:12], type(e).__name__, e)

@@ -21,6 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from node.net.bans import BanList
+from node.net.caps import Caps, Limits
 from node.net.transport import HEADER_LEN, write_message
 from protocol.auth import HEADER_BYTES, ReplayGuard, Unauthorized, sign, verify
 from protocol.frames import FrameTooLarge, MalformedFrame
@@ -51,6 +52,9 @@ class Idle(asyncio.TimeoutError):
     """A request stream sent no byte within the inactivity deadline."""
 
 
+MAX_HEARD = 4096  # peers whose last stream time is kept (Wire.hear)
+
+
 class Wire:
     def __init__(self, key: bytes | None = None):
         self.key = key
@@ -60,11 +64,30 @@ class Wire:
         # peer id -> monotonic time its last stream to us began (``node.net.serve``): a stream that
         # arrived proves the connection it rode works, so a node behind NAT need not probe it
         self.heard: dict[str, float] = {}
+        self._caps: dict[str, Caps] = {}
+
+    def caps(self, handler: str, limits: Limits) -> Caps:
+        """This node's bounds in force for ``handler`` (``node.net.caps``): one per handler and
+        node, kept here beside the ban list, since join.py replaces a runtime's Wire once built.
+        New ``limits`` start afresh (streams held release into the ``Caps`` that admitted them)."""
+        caps = self._caps.get(handler)
+        if caps is None or caps.limits != limits:
+            caps = self._caps[handler] = Caps(limits)
+        return caps
 
     def bulk(self, peer: str) -> asyncio.Semaphore:
         """The turns to write a pipeline frame to ``peer`` (BULK_SLOTS). A sender opens its stream
         on its turn, since a handler closes a stream that sent nothing for IDLE_S."""
         return self._bulk.setdefault(peer, asyncio.Semaphore(BULK_SLOTS))
+
+    def hear(self, peer: str) -> None:
+        """A stream from ``peer`` began now. Bounded: minted peer ids must not grow it without end,
+        and only recent streams matter to ``heard_within``, so the oldest half goes when full."""
+        self.heard.pop(peer, None)
+        self.heard[peer] = time.monotonic()  # insertion order is age order
+        if len(self.heard) > MAX_HEARD:
+            for old in list(self.heard)[: MAX_HEARD // 2]:
+                del self.heard[old]
 
     def heard_within(self, peer: str, seconds: float) -> bool:
         """A stream from ``peer`` began within the last ``seconds``."""

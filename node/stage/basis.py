@@ -24,6 +24,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from compression.codec import Payload
 from compression.pca import fit_basis
 from compression.tiered import fit_rotation
+from node.net.caps import Limits
 from node.net.rpc import request
 from node.net.serve import serve
 from node.net.wire import Wire
@@ -36,6 +37,9 @@ log = logging.getLogger("node")
 HANDLER = "vnode.basis"
 BASIS_TTL_S = 60.0
 REQUEST_BYTES = 4096  # a basis request is a frame without tensors
+# a node asks for each boundary's basis once per version, retrying a failed fetch: a peer asking
+# more often than this is a flood, struck like one (each answer sends the whole basis)
+LIMITS = Limits(per_peer=2, total=16, rate=1.0, burst=8)
 BASIS_VERSION = 1  # refresh policy: never (measured in bench/results: the step-0 basis keeps learning)
 
 
@@ -181,6 +185,7 @@ class BasisStore:
             timeout=self.timeout,
             what="basis request",
             strikes=False,
+            caps=self.wire.caps(HANDLER, LIMITS),
         )
 
     async def _send_basis(self, s) -> None:

@@ -9,13 +9,19 @@ what the sender should do (``downstream``: our next stage failed, do not retry a
 the stream is closed, *before* this node's optimizer step (``after_reply``): a step (drain,
 AdamW, an outer round, a SCAPE exchange, a checkpoint) never delays the stages upstream.
 
-What a flood costs: a peer gets at most ``MAX_STREAMS_PER_PEER`` streams served at once; the
-rest are answered ``busy`` (their frame read and thrown away, or the stream resets and the
-reply is lost) and counted (``metrics.shed_streams``), so a flood is answered, not dropped. A
-stream that sends no byte for ``IDLE_S`` seconds is closed with a ``busy`` that names the
-deadline (``metrics.idle_streams``), so held streams cost little. The handler socket's accept
-queue is raised from hivemind's 100 (``node.net.wire.raise_accept_backlog``) so that a burst of
-streams waits to be answered instead of being reset by the daemon.
+What a flood costs: a peer of the stage before (a record in this node's routes) gets at most
+``MAX_STREAMS_PER_PEER`` streams served at once, and all of them together ``MAX_STREAMS``. A sender
+the routes do not show (after one throttled refresh: it may have joined since the last heartbeat)
+is a visitor: visitors get ``VISITOR_STREAMS_PER_PEER`` each and ``VISITOR_STREAMS`` together, so
+a flood of minted peer ids fills only the visitors' lane while the stage's own upstreams are
+served, and an honest upstream not yet in the routes still gets its microbatches through. The
+rest are answered ``busy``
+(their frame read and thrown away, or the stream resets and the reply is lost) and counted
+(``metrics.shed_streams``), so a flood is answered, not dropped. A stream that sends no byte for
+``IDLE_S`` seconds is closed with a ``busy`` that names the deadline (``metrics.idle_streams``),
+so held streams cost little. The handler socket's accept queue is raised from hivemind's 100
+(``node.net.wire.raise_accept_backlog``) so that a burst of streams waits to be answered instead
+of being reset by the daemon.
 """
 
 from __future__ import annotations
@@ -26,11 +32,13 @@ import time
 from collections.abc import Awaitable, Callable
 
 from node.net.bans import BanList
+from node.net.caps import Caps, Limits, OverCap
 from node.net.serve import Stream, serve
 from node.net.wire import IDLE_S, Idle, raise_accept_backlog
 from node.stage.context import StageContext
-from node.stage.hop import HopFailed
+from node.stage.hop import HANDLER, HopFailed
 from node.stage.step import Busy
+from node.swarm.recheck import RouteRecheck
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError
 
 log = logging.getLogger("node")
@@ -38,6 +46,13 @@ log = logging.getLogger("node")
 # streams one peer may have served at once: an honest upstream has at most its max_inflight
 # microbatches out, spread over the replicas; past this a flood only queues
 MAX_STREAMS_PER_PEER = 16
+# streams served at once from every peer together: a stage's upstream replicas times their
+# max_inflight, with room; past it a flood of minted peer ids only queues
+MAX_STREAMS = 256
+# a sender not in the routes of the stage before: an honest one's max_inflight (default 4) in
+# flight, all of them together a couple of upstreams' worth
+VISITOR_STREAMS_PER_PEER = 4
+VISITOR_STREAMS = 8
 SHED_LOG_EVERY_S = 5.0  # one log line per flooding peer per this many seconds, with the count
 
 
@@ -47,8 +62,11 @@ class ForwardServer:
         ctx: StageContext,
         serve: Callable[[bytes], Awaitable[tuple[Frame, bytes]]],
         after_reply: Callable[[], Awaitable[None]],
+        refresh_routes: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.ctx = ctx
+        # an unknown sender may have joined since the last heartbeat: one refresh, throttled
+        self._recheck = None if refresh_routes is None else RouteRecheck(refresh_routes)
         # FORWARD frame bytes -> the BACKWARD frame and its bytes, built in the compute thread
         # (node.stage.pipeline.Pipeline.serve)
         self.serve = serve
@@ -57,9 +75,28 @@ class ForwardServer:
         self.active = 0  # streams being served, from the first byte read to the step after the reply
         self._idle = asyncio.Event()
         self._idle.set()
-        self._per_peer: dict[str, int] = {}
         self._shed_logged: dict[str, float] = {}  # peer -> when its shedding was last logged
         self._backlog_checked = False
+
+    @property
+    def caps(self) -> Caps:
+        """The bounds in force for the stage before's peers (on the node's Wire, beside the bans)."""
+        return self.ctx.wire.caps(HANDLER, Limits(per_peer=MAX_STREAMS_PER_PEER, total=MAX_STREAMS))
+
+    @property
+    def visitor_caps(self) -> Caps:
+        """The bounds in force for senders the routes do not show."""
+        limits = Limits(per_peer=VISITOR_STREAMS_PER_PEER, total=VISITOR_STREAMS)
+        return self.ctx.wire.caps(f"{HANDLER}/visitor", limits)
+
+    async def _upstream(self, peer: str) -> bool:
+        """Whether ``peer`` has a record of the stage before ours (any circuit, ready or not)."""
+        ctx = self.ctx
+        if ctx.index == 0:  # nothing sends a head forward frames
+            return False
+        if peer not in ctx.routes[ctx.index - 1] and self._recheck is not None:
+            await self._recheck()
+        return peer in ctx.routes[ctx.index - 1]
 
     @property
     def bans(self) -> BanList:
@@ -85,24 +122,27 @@ class ForwardServer:
             if not raise_accept_backlog(self.ctx.p2p):
                 log.info("could not raise the stream accept backlog; bursts past 100 streams may be reset")
         peer = str(stream_info.peer_id)
-        if self._per_peer.get(peer, 0) >= MAX_STREAMS_PER_PEER:
-            await self._shed(stream_info, reader, writer)
+        caps = self.caps if await self._upstream(peer) else self.visitor_caps
+        try:
+            caps.admit(peer)
+        except OverCap as why:
+            await self._shed(stream_info, reader, writer, why)
             return
-        self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
         self.active += 1
         self._idle.clear()
         try:
             await self._handle(stream_info, reader, writer)
         finally:
             self.active -= 1
-            self._per_peer[peer] -= 1
-            if not self._per_peer[peer]:
-                del self._per_peer[peer]
+            caps.release(peer)
             if not self.active:
                 self._idle.set()
 
-    async def _shed(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Answer a stream over the peer's bound with ``busy``, its frame read but never kept."""
+    async def _shed(
+        self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, why: OverCap
+    ) -> None:
+        """Answer a stream over a bound with ``busy``, its frame read but never kept (an upstream
+        that is answered before it wrote its frame would see a reset, not the reason)."""
         ctx = self.ctx
         peer = str(stream_info.peer_id)
         ctx.metrics.shed_streams += 1
@@ -112,12 +152,8 @@ class ForwardServer:
             if len(self._shed_logged) > 1024:  # bounded: forget the peer logged longest ago
                 del self._shed_logged[next(iter(self._shed_logged))]
             log.warning(
-                "shedding streams from %s: over %d at once (%d shed in all)",
-                peer[:12],
-                MAX_STREAMS_PER_PEER,
-                ctx.metrics.shed_streams,
+                "shedding streams from %s: %s (%d shed in all)", peer[:12], why, ctx.metrics.shed_streams
             )
-        why = Busy(f"over {MAX_STREAMS_PER_PEER} concurrent streams from this peer; try another replica")
 
         async def discard(s: Stream) -> None:
             try:

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from node.model.adapters import AdapterError, load_trained_state, trained_state
-from node.model.checkpoint import CheckpointError, checkpoint_dir, clone_state, save_checkpoint
+from node.model.checkpoint import CheckpointError, checkpoint_dir, clone_state, note_failure, save_checkpoint
 from node.stage.context import StageContext
 
 log = logging.getLogger("node")
@@ -76,11 +76,13 @@ class StageState:
 
     def _write(self, snap: dict) -> None:
         try:
-            path = save_checkpoint(self.directory(), **snap)
+            path = save_checkpoint(self.directory(), **snap, keep=self.ctx.cfg.keep_checkpoints)
             self.ctx.metrics.checkpoints += 1
             log.info("checkpoint %s", path)
         except Exception as e:  # a full disk must not stop training; the previous checkpoint stays
-            log.warning("checkpoint failed: %s: %s", type(e).__name__, e)
+            why = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+            log.warning("checkpoint failed: %s", why)
+            note_failure(self.directory(), why)  # for export, should no checkpoint be there
 
     def restore(self, ck) -> None:
         """Load a checkpoint of this run and stage (before serving)."""

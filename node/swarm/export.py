@@ -42,7 +42,16 @@ from pathlib import Path
 import torch
 
 from node.model.adapters import AdapterError, by_whole_name, is_adapter, merge_into, save_peft_adapter
-from node.model.checkpoint import CheckpointError, _pid_alive, list_checkpoints, load_checkpoint
+from node.model.checkpoint import (
+    LAST_ERROR,
+    SLACK_BYTES,
+    CheckpointError,
+    _pid_alive,
+    check_free_space,
+    last_failure,
+    list_checkpoints,
+    load_checkpoint,
+)
 from node.model.loading import BUNDLED, BUNDLED_NAME, open_model
 from node.net.rpc import open_stream
 from node.net.transport import close_quietly
@@ -204,6 +213,17 @@ def write_export(
         raise ExportError(f"{out} already exists; pass a new --out, or --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     _clean_stale(out)
+    # the whole export must fit before the first byte: a full disk would leave only a stack trace
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    try:
+        check_free_space(
+            out.parent,
+            weights + SLACK_BYTES,
+            f"the export to {out}",
+            "free space, or pass an --out on a larger disk",
+        )
+    except CheckpointError as e:
+        raise ExportError(str(e)) from None
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     old = out.with_name(f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
     tmp.mkdir()
@@ -217,10 +237,12 @@ def write_export(
         if out.exists():  # --force: move the old one aside first; a directory rename cannot replace
             os.rename(out, old)
         os.rename(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not out.exists():
             os.rename(old, out)
+        if isinstance(e, OSError):  # the disk filled meanwhile, a permission: one line, its cause
+            raise ExportError(f"writing the export to {out} failed: {e.strerror or e}") from None
         raise
     shutil.rmtree(old, ignore_errors=True)
     return out
@@ -292,7 +314,7 @@ def parts_from_checkpoints(dirs: list[str], run_id: str | None = None) -> tuple[
             if prev is None or ck.step > prev[0].step:
                 found[key][int(c["stage"])] = (ck, c)
     if not found:
-        raise ExportError(f"no checkpoints found in {' '.join(dirs)}")
+        raise ExportError(f"no checkpoints found in {' '.join(dirs)}{_write_failures(dirs)}")
     if run_id is None:
         if len(found) > 1:
             raise ExportError(f"checkpoints of several runs ({', '.join(sorted(found))}): pass --run-id")
@@ -308,7 +330,7 @@ def parts_from_checkpoints(dirs: list[str], run_id: str | None = None) -> tuple[
         if i not in stages:
             raise ExportError(
                 f"no checkpoint of stage {i} of run {run_id} in {' '.join(dirs)}; add the state "
-                "directory of a node that served it"
+                f"directory of a node that served it{_write_failures(dirs)}"
             )
         ck, c = stages[i]
         n = c["layers"][1] - c["layers"][0] if "layers" in c else layer_count(ck.stage_state)
@@ -323,6 +345,13 @@ def parts_from_checkpoints(dirs: list[str], run_id: str | None = None) -> tuple[
             f"{' '.join(dirs)}; add the state directories of the nodes that served them"
         )
     return parts, {"run_id": run_id, "model_hash": hashes.pop(), "finetune": finetune}
+
+
+def _write_failures(dirs: list[str]) -> str:
+    """Why the nodes' last checkpoint writes failed, as a clause ('' if none did): a missing
+    checkpoint is then explained by its cause (a full disk), not only by its absence."""
+    failed = sorted({why for d in dirs for f in Path(d).rglob(LAST_ERROR) if (why := last_failure(f.parent))})
+    return f"; a node's last checkpoint write failed: {failed[0]}" if failed else ""
 
 
 def _finetune_of(counters: dict) -> FinetuneSettings:
@@ -357,6 +386,8 @@ async def pull_stage(
         await v.wire.send(writer, encode_frame(req), timeout)
         while True:
             reply = decode_frame(await v.wire.recv(reader, MAX_FRAME_BYTES, timeout), run_id=v.run_id)
+            if reply.kind == "error":  # refused (busy: its visitors' pulls are spent): say why
+                raise FrameError(f"{reply.meta.get('code')}: {reply.meta.get('message', '')}")
             if reply.kind != "weights":
                 raise FrameError(f"expected weights, got a {reply.kind} frame")
             named.update(reply.tensors)

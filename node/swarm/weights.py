@@ -6,6 +6,13 @@ steps; ``node export`` pulls an exact fp32 copy with a sha256 digest (``weights_
 Weights travel in bf16 (fp32 when export asks), in frames of at most ``MAX_TENSORS`` tensors; a
 LoRA run's stages send their adapters only, always in fp32 (``moving_parameters``).
 
+Who may pull, and how often: a pull clones the stage and sends all of it, so strangers must not
+be able to keep a node doing it. A *member* (a peer with a stage record of this node's stage: a
+joiner's claim, an anchor, a replica) gets one pull at a time, ``MEMBER_LIMITS`` in all. Anyone
+else (``node export``, which has no stage record, or a stranger) is a *visitor*: all visitors
+together share one key of ``VISITOR_LIMITS``, one pull at a time node-wide and a few a minute,
+however many peer ids they mint. Over a bound: ``busy`` before the request is read.
+
 The server gets the stage's shared context (run, stage, transport, compute thread), never the
 runtime; a ``StageRuntime`` offers the same attributes, so ``pull_weights(runtime)`` works too.
 """
@@ -20,7 +27,8 @@ import torch
 
 from node.model.adapters import moving_parameters
 from node.net import rpc
-from node.net.serve import serve
+from node.net.caps import Limits
+from node.net.serve import Stream, serve
 from node.swarm.routing import fast_peers_of_stage
 from protocol.frames import MAX_TENSORS, Frame, FrameError, decode_frame, encode_frame
 
@@ -28,6 +36,12 @@ log = logging.getLogger("node")
 
 WEIGHTS_HANDLER = "vnode.weights"
 REQUEST_BYTES = 4096  # a weights request is a frame without tensors
+# a member pulls once on joining, an anchor every few steps; each pull is one whole stage
+MEMBER_LIMITS = Limits(per_peer=1, total=4)
+# every visitor together: one pull at a time, three in a row, then one per 20 s (an export pulls
+# each stage once, from one peer, and tries the next peer if refused)
+VISITOR_LIMITS = Limits(per_peer=1, total=1, rate=0.05, burst=3, who="peers without a record of this stage")
+VISITORS = "visitors"  # the one key all visitors share
 
 
 def chunks(items: list, n: int) -> list[list]:
@@ -55,7 +69,16 @@ class WeightServer:
             strikes=False,
         )
 
-    async def _send_weights(self, s) -> None:
+    async def _send_weights(self, s: Stream) -> None:
+        rt = self.rt
+        if s.peer in rt.routes[rt.index]:  # any circuit, ready or still pulling
+            caps, key = rt.wire.caps(f"{WEIGHTS_HANDLER}/member", MEMBER_LIMITS), s.peer
+        else:
+            caps, key = rt.wire.caps(f"{WEIGHTS_HANDLER}/visitor", VISITOR_LIMITS), VISITORS
+        with caps.hold(key):  # before the request is read
+            await self._send_snapshot(s)
+
+    async def _send_snapshot(self, s: Stream) -> None:
         rt = self.rt
         req = decode_frame(await s.receive(REQUEST_BYTES, idle=None), run_id=rt.run.run_id)
         if req.kind != "weights":
