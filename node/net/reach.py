@@ -23,6 +23,7 @@ import logging
 from collections.abc import Sequence
 
 from node.net import rpc
+from node.net.caps import Limits
 from node.net.serve import Stream, serve
 from node.net.wire import Wire
 from protocol.frames import Frame, MalformedFrame, decode_frame
@@ -32,6 +33,8 @@ log = logging.getLogger("node")
 DIALBACK_HANDLER = "vnode.dialback"
 MAX_ADDRS = 4  # addresses one question may name (a node listens on one or two)
 MAX_AT_ONCE = 4  # questions answered at once: the rest wait, each connect is bounded
+# each question makes this node open TCP connections for a stranger: a few, rarely, per peer
+LIMITS = Limits(per_peer=1, total=MAX_AT_ONCE, rate=0.2, burst=2)
 # one TCP connect: a dropped SYN (a NAT's firewall) waits this long, a refusal returns at once
 CONNECT_S = 3.0
 ASK_S = CONNECT_S * MAX_ADDRS + 10.0  # one question, connects and the stream included
@@ -95,7 +98,7 @@ class DialBack:
         """Read the question, connect to each address, answer ``r0``.. = 1 or 0."""
         await serve(
             stream_info, reader, writer, self.wire, self._body, run_id=self.run_id, timeout=ASK_S,
-            what="dial-back question",
+            what="dial-back question", caps=self.wire.caps(DIALBACK_HANDLER, LIMITS),
         )  # fmt: skip
 
     async def _body(self, s: Stream) -> None:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from node.net import rpc
+from node.net.caps import Limits
 from node.net.serve import Stream, serve
 from node.net.transport import close_quietly
 from node.net.wire import Wire
@@ -29,6 +30,8 @@ from node.watch.probe import PROBE_N, Probe
 from protocol.frames import Frame, FrameError, decode_frame, encode_frame
 
 METRICS_HANDLER = "vnode.metrics"
+# a dashboard polls every 2 s; several may watch one node, none needs more than this
+LIMITS = Limits(per_peer=2, total=16, rate=2.0, burst=4)
 REQUEST_BYTES = 1024
 REPLY_BYTES = 64 * 1024  # 512 losses (2 KiB) + links + ~30 scalars fit many times over
 LOSS_KEPT = 512  # the last inner steps' losses sent; the chart needs the trend, not all of it
@@ -184,6 +187,7 @@ class MetricsServer:
             run_id=self.run_id,
             timeout=self.timeout,
             what="metrics request",
+            caps=self.wire.caps(METRICS_HANDLER, LIMITS),
         )
 
     async def _answer(self, s: Stream) -> None:
