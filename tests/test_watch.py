@@ -116,6 +116,9 @@ def test_reach_follows_the_announced_addresses():
     assert st.reach(["/ip4/127.0.0.1/tcp/5"]) == "direct"
     assert st.reach(["/ip4/127.0.0.1/tcp/5", relay]) == "relayed"
     assert st.reach([]) == "unknown"
+    # a record behind NAT (node.swarm.reverse) is reversed whatever it announces
+    assert st.reach(["/ip4/10.0.0.2/tcp/5"], "reverse") == "reversed"
+    assert st.reach(["/ip4/10.0.0.2/tcp/5"], "direct") == "direct"
 
 
 def test_link_rows_compare_bytes_per_token_with_dense():

@@ -59,9 +59,12 @@ def diff_events(before: Seen | None, after: Seen, t: float, known: set[str]) -> 
     return out
 
 
-def reach(maddrs: list[str]) -> str:
-    """How a peer is reached, from the addresses its record announces: through a relay
+def reach(maddrs: list[str], record_reach: str = "direct") -> str:
+    """How a peer is reached: ``reversed`` when its record says it is behind NAT and dials its
+    callers (node.swarm.reverse), else from the addresses it announces: through a relay
     (``/p2p-circuit``), directly, or unknown (it announced none)."""
+    if record_reach == "reverse":
+        return "reversed"
     if any("/p2p-circuit" in a for a in maddrs):
         return "relayed"
     return "direct" if maddrs else "unknown"
@@ -189,7 +192,7 @@ def build_state(
                     "error": unreachable.get(pid, ""),
                     "device": m["device"] if m else "",
                     "memory": m["memory_rss"] if m else 0,
-                    "reach": reach(r.maddrs),
+                    "reach": reach(r.maddrs, r.reach),
                     "maddrs": r.maddrs[:3],
                 }
             )
