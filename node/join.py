@@ -37,7 +37,7 @@ from node.model.loading import (
     open_pretrain_model,
 )
 from node.model.stages import default_stage_ranges
-from node.net.reach import addresses_for, ask_many, decide
+from node.net.reach import ask_many, decide
 from node.net.wire import Wire
 from node.runtime import StageRuntime
 from node.stage.basis import (
@@ -61,7 +61,7 @@ from node.swarm.membership import (
     store_stage_record,
     store_stage_record_sync,
 )
-from node.swarm.reverse import dialable
+from node.swarm.reverse import dialback_questions
 from node.swarm.routing import choose_stage, unreachable_neighbour
 from protocol.auth import SwarmKeyError, key_id, load_swarm_key
 from protocol.records import RunRecord, StageRecord
@@ -265,8 +265,7 @@ def find_reachability(cfg: NodeConfig, dht, run: RunRecord | None, maddrs: list[
                 if r.ready and p not in known:
                     known[p] = r.maddrs
     known.pop(dht.peer_id.to_base58(), None)
-    own = dialable(maddrs)
-    questions = [(p, addresses_for(own, dialable(a))) for p, a in known.items()]
+    questions = dialback_questions(known, maddrs)
 
     async def ask() -> list:
         # a replica of the DHT's daemon, for these few streams only (the node's own comes later,

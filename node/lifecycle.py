@@ -25,7 +25,7 @@ from node.dp.anchors import ANCHOR_HANDLER, AnchorClient, PacketSink
 from node.dp.scape import SCAPE_HANDLER, ScapeSync
 from node.dp.tied import TIED_HANDLER, TiedExchange
 from node.net.alive import ALIVE_HANDLER, handle_alive
-from node.net.reach import DIALBACK_HANDLER, DialBack
+from node.net.reach import DIALBACK_HANDLER, RECHECK_BEATS, DialBack, ask_many, rechecked
 from node.net.wire import raise_accept_backlog
 from node.stage.basis import HANDLER as BASIS_HANDLER
 from node.stage.context import StageContext
@@ -40,7 +40,7 @@ from node.stop_signal import StopRequest
 from node.swarm.health import write_health
 from node.swarm.membership import store_stage_record
 from node.swarm.rebalance import Rebalancer, choose_move, move_reason
-from node.swarm.reverse import Reverser
+from node.swarm.reverse import Reverser, dialback_questions
 from node.swarm.routing import fast_peers_of_stage, must_call_me
 from node.swarm.weights import WEIGHTS_HANDLER, WeightServer, pull_weights
 from node.watch.dashboard import DashboardError, serve_in_node
@@ -156,15 +156,50 @@ class Lifecycle:
     async def reverse_loop(self) -> None:
         """``keep_reversed`` every half heartbeat (node.swarm.reverse says why), on the routes the
         heartbeat refreshed (a loop of its own: a dead connection's probe and dial must not hold
-        the heartbeat up)."""
+        the heartbeat up). Idle while the node is reachable (a re-check may change that)."""
         ctx = self.ctx
         while not ctx.stop.is_set():
-            try:
-                await self.keep_reversed()
-            except Exception as e:  # the daemon busy or restarting: again next beat
-                log.info("keeping the reversed connections failed: %s", e)
+            if self.reverser is not None:
+                try:
+                    await self.keep_reversed()
+                except Exception as e:  # the daemon busy or restarting: again next beat
+                    log.info("keeping the reversed connections failed: %s", e)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(ctx.stop.wait(), ctx.cfg.heartbeat_s / 2)
+
+    async def recheck_reachability(self, p2p) -> None:
+        """One re-check (``--reachability auto``): the addresses the daemon now sees announced from
+        the next record on, and the ready peers asked to dial them back; a node whose NAT went
+        away or appeared (a new network, a router restart) switches, reversing or not."""
+        ctx = self.ctx
+        seen = [str(a) for a in await p2p.get_visible_maddrs()]
+        if seen and sorted(seen) != sorted(self.maddrs):
+            log.info("announced addresses now %s (were %s)", seen, self.maddrs)
+            self.maddrs = seen
+        peers = {
+            p: r.maddrs for stage in ctx.routes for p, r in stage.items() if r.ready and p != ctx.peer_id
+        }
+        answers = await ask_many(p2p, ctx.wire, dialback_questions(peers, self.maddrs), ctx.run.run_id)
+        change = rechecked(self.reachability, answers)
+        if change is None:
+            return
+        self.reachability, why = change
+        log.warning("reachability now %s (%s)", self.reachability, why)
+        self.reverser = Reverser(p2p, ctx.wire, ctx.cfg.heartbeat_s) if self.reachability == "nat" else None
+        await self.publish()
+
+    async def recheck_loop(self, p2p) -> None:
+        """``recheck_reachability`` every RECHECK_BEATS heartbeats, for the node's life."""
+        ctx = self.ctx
+        while not ctx.stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(ctx.stop.wait(), RECHECK_BEATS * ctx.cfg.heartbeat_s)
+            if ctx.stop.is_set():
+                return
+            try:
+                await self.recheck_reachability(p2p)
+            except Exception as e:  # the daemon busy: the next re-check asks again
+                log.info("reachability re-check failed: %s", e)
 
     async def maybe_move(self) -> None:
         """Every few beats: if another stage needs this node more (``choose_move``), leave for it.
@@ -276,8 +311,10 @@ class Lifecycle:
         tasks = [asyncio.create_task(self.heartbeat_loop())]
         if ctx.cfg.dashboard:
             tasks.append(asyncio.create_task(self._dashboard()))
-        if self.reverser is not None:
+        if self.reverser is not None or ctx.cfg.reachability == "auto":
             tasks.append(asyncio.create_task(self.reverse_loop()))
+        if ctx.cfg.reachability == "auto":
+            tasks.append(asyncio.create_task(self.recheck_loop(p2p)))
         if ctx.cfg.max_steps and ctx.inner_step >= ctx.cfg.max_steps:  # resumed at its last step
             log.info("already at --max-steps %d: nothing to train", ctx.cfg.max_steps)
             ctx.stop.set()

@@ -12,9 +12,9 @@ import socket
 import pytest
 
 from node.net import reach
-from node.net.reach import DIALBACK_HANDLER, DialBack, decide, tcp_target
+from node.net.reach import DIALBACK_HANDLER, DialBack, decide, rechecked, tcp_target
 from node.net.wire import Wire
-from node.swarm.reverse import Reverser, dialable
+from node.swarm.reverse import Reverser, dialable, dialback_questions
 from node.swarm.routing import REVERSE_WEIGHT, must_call_me, peer_weights, unreachable_neighbour
 from protocol.records import RecordError, StageRecord
 
@@ -236,3 +236,82 @@ def test_reverser_dials_probes_and_redials(caplog):
     assert rv.redials == 1 and rv.dials == 3 and rv.kept == 2  # a and b, then b again
     warned = [r for r in caplog.records if "cannot open a connection" in r.getMessage()]
     assert len(warned) == 1  # c, once: the next beat's failure is not repeated within WARN_EVERY_S
+
+
+def test_questions_ask_each_peer_about_the_addresses_it_can_dial():
+    own = ["/ip4/127.0.0.1/tcp/5/p2p/QmSelf", "/ip4/10.0.0.2/tcp/5/p2p/QmSelf"]
+    peers = {"QmB": ["/ip4/10.0.0.9/tcp/7/p2p/QmB"], "QmA": ["/ip4/127.0.0.1/tcp/6/p2p/QmA"]}
+    assert dialback_questions(peers, own) == [
+        ("QmA", ["/ip4/127.0.0.1/tcp/5", "/ip4/10.0.0.2/tcp/5"]),  # on loopback: both
+        ("QmB", ["/ip4/10.0.0.2/tcp/5"]),  # elsewhere: our loopback would be its own
+    ]
+
+
+@pytest.mark.parametrize(
+    "current, answers, expected",
+    [
+        ("direct", [False, False, True], "nat"),  # the mapping went away: reverse
+        ("nat", [True, True], "direct"),  # a port was forwarded meanwhile: stop reversing
+        ("nat", [None, None], None),  # nobody answered: silence says nothing, stay reversed
+        ("direct", [True, None, False], None),  # half reached it: still direct
+        ("nat", [], None),  # no ready peer to ask
+    ],
+)
+def test_a_recheck_switches_only_on_answers(current, answers, expected):
+    got = rechecked(current, answers)
+    assert (got and got[0]) == expected, got
+
+
+def test_a_serving_node_rechecks_its_addresses_and_reachability(monkeypatch):
+    """Lifecycle.recheck_reachability on a node whose NAT appeared, then went away: the addresses
+    the daemon sees are announced, the ready peers (not itself) are asked, a reverser is kept
+    only while behind NAT, and each switch is published."""
+    import types
+
+    import node.lifecycle as lc
+
+    ready = StageRecord(circuit="fast", throughput=1.0, queue=0, inner_step=0, ready=True,
+                        maddrs=["/ip4/10.0.0.9/tcp/7/p2p/QmHead"])  # fmt: skip
+    gone = StageRecord(circuit="fast", throughput=1.0, queue=0, inner_step=0, ready=False,
+                       maddrs=["/ip4/10.0.0.8/tcp/7/p2p/QmOld"])  # fmt: skip
+    asked: list = []
+    answers: list = [[False]]
+
+    async def fake_ask_many(p2p, wire, questions, run_id):
+        asked.append(questions)
+        return answers[-1]
+
+    class P2P:
+        async def get_visible_maddrs(self):
+            return ["/ip4/10.0.0.3/tcp/5/p2p/QmSelf"]
+
+    published: list = []
+
+    async def publish():
+        published.append(node.reachability)
+
+    monkeypatch.setattr(lc, "ask_many", fake_ask_many)
+    ctx = types.SimpleNamespace(
+        routes=[{"QmHead": ready, "QmOld": gone}, {"QmSelf": ready}],
+        peer_id="QmSelf",
+        wire=Wire(None),
+        run=types.SimpleNamespace(run_id="r"),
+        cfg=types.SimpleNamespace(heartbeat_s=1.0),
+    )
+    node = types.SimpleNamespace(
+        ctx=ctx,
+        maddrs=["/ip4/10.0.0.2/tcp/5/p2p/QmSelf"],
+        reachability="direct",
+        reverser=None,
+        publish=publish,
+    )
+    asyncio.run(lc.Lifecycle.recheck_reachability(node, P2P()))
+    assert node.maddrs == ["/ip4/10.0.0.3/tcp/5/p2p/QmSelf"]  # the new address, from the next record on
+    assert asked[-1] == [("QmHead", ["/ip4/10.0.0.3/tcp/5"])]  # ready peers only, not itself
+    assert node.reachability == "nat" and isinstance(node.reverser, Reverser) and published == ["nat"]
+    answers.append([None])  # silence: no switch, nothing published
+    asyncio.run(lc.Lifecycle.recheck_reachability(node, P2P()))
+    assert node.reachability == "nat" and node.reverser is not None and published == ["nat"]
+    answers.append([True])  # reachable again (a forwarded port): the reverser goes
+    asyncio.run(lc.Lifecycle.recheck_reachability(node, P2P()))
+    assert node.reachability == "direct" and node.reverser is None and published == ["nat", "direct"]

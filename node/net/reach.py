@@ -32,6 +32,7 @@ log = logging.getLogger("node")
 
 DIALBACK_HANDLER = "vnode.dialback"
 MAX_ADDRS = 4  # addresses one question may name (a node listens on one or two)
+RECHECK_BEATS = 6  # a serving node asks again every this many heartbeats (--reachability auto)
 MAX_AT_ONCE = 4  # questions answered at once: the rest wait, each connect is bounded
 # each question makes this node open TCP connections for a stranger: a few, rarely, per peer
 LIMITS = Limits(per_peer=1, total=MAX_AT_ONCE, rate=0.2, burst=2)
@@ -149,6 +150,16 @@ async def ask_many(
     return list(await asyncio.gather(*(one(p, a) for p, a in questions[:MAX_ASKED])))
 
 
+def rechecked(current: str, answers: Sequence[bool | None]) -> tuple[str, str] | None:
+    """(mode, why) a serving node switches to after a re-check, or None to stay as it is. Only
+    answers count: peers that did not answer say nothing about our address (a busy swarm, an
+    older node), so silence never flips a node behind NAT back to direct."""
+    if all(a is None for a in answers):
+        return None
+    mode, why = decide("auto", answers, True)
+    return (mode, why) if mode != current else None
+
+
 def decide(mode: str, answers: Sequence[bool | None], has_peers: bool) -> tuple[str, str]:
     """(``direct`` | ``nat``, why) for ``--reachability`` ``mode`` and the dial-back answers.
 
@@ -180,6 +191,7 @@ __all__ = [
     "DialBack",
     "answer",
     "ask",
+    "rechecked",
     "addresses_for",
     "ask_many",
     "decide",

@@ -31,13 +31,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from node.net.alive import ANSWER_S, answers
-from node.net.reach import tcp_target
+from node.net.reach import addresses_for, tcp_target
 from node.net.wire import Wire
 
 log = logging.getLogger("node")
@@ -55,6 +55,13 @@ def dialable(maddrs: list[str]) -> list[str]:
         if tcp_target(base) is not None and base not in out:
             out.append(base)
     return out
+
+
+def dialback_questions(peers: Mapping[str, Sequence[str]], own: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """Dial-back questions (node.net.reach.ask_many): each peer (id -> the addresses it is known
+    by), in a stable order, asked about those of our addresses ``own`` it can usefully dial."""
+    mine = dialable(list(own))
+    return [(p, addresses_for(mine, dialable(list(a)))) for p, a in sorted(peers.items())]
 
 
 class Reverser:
