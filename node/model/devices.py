@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 
 import torch
@@ -130,3 +132,36 @@ def process_memory(device: torch.device | None = None) -> dict[str, int]:
     if device is not None and device.type == "cuda":
         out["device_peak"] = int(torch.cuda.max_memory_allocated(device))
     return out
+
+
+# glibc's malloc, when a process frees a block it had mmapped, raises its mmap threshold to that
+# block's size (up to 32 MiB): from then on a stage's layer tensors (a few MiB each), the
+# checkpoint's clones and start-up's whole-stage loads come from the heap arenas, and when they are
+# freed the pages stay with the process (measured: the starter held ~2 GB more than its stage
+# after hashing and calibrating the whole model). A fixed threshold keeps every block of 1 MiB or
+# more in its own mapping, which free() hands back to the OS at once; small objects are unaffected.
+MMAP_THRESHOLD_BYTES = 1 << 20
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        lib = ctypes.CDLL(name)
+        return lib if hasattr(lib, "mallopt") and hasattr(lib, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+def keep_large_blocks_returnable() -> bool:
+    """Pin glibc's mmap threshold (see MMAP_THRESHOLD_BYTES); False where libc is not glibc."""
+    lib = _libc()
+    return bool(lib is not None and lib.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+
+
+def return_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere): after
+    a phase that freed much (start-up's whole-model passes, a checkpoint's clones)."""
+    lib = _libc()
+    if lib is not None:
+        lib.malloc_trim(0)

@@ -17,6 +17,7 @@ import torch
 
 from node.model.adapters import AdapterError, load_trained_state, trained_state
 from node.model.checkpoint import CheckpointError, checkpoint_dir, clone_state, save_checkpoint
+from node.model.devices import return_freed_memory
 from node.stage.context import StageContext
 
 log = logging.getLogger("node")
@@ -81,6 +82,11 @@ class StageState:
             log.info("checkpoint %s", path)
         except Exception as e:  # a full disk must not stop training; the previous checkpoint stays
             log.warning("checkpoint failed: %s: %s", type(e).__name__, e)
+        finally:
+            # the pool's work item holds ``snap`` until this returns: drop the clones now, and give
+            # their pages back rather than keep a checkpoint's worth of free heap between checkpoints
+            snap.clear()
+            return_freed_memory()
 
     def restore(self, ck) -> None:
         """Load a checkpoint of this run and stage (before serving)."""
