@@ -362,9 +362,10 @@ def test_outer_state_built_late_equals_diloco(peers):
     assert late == [eager] * (N_PEERS - 1)
     outs = _all(peers, lambda i: ("round", stage, 0), kwargs["timeout"] + SLACK_S)
     want = ReferenceDiLoCo(theta0).step(locals_)
-    for stats, got, _, lineage in outs:
+    for stats, got, _, _ in outs:
         assert not stats["skipped"] and not stats["reanchored"], stats
         assert _max_abs(got, want) <= 1e-5, _max_abs(got, want)
+    assert len({lineage for *_, lineage in outs}) == 1  # one outer model after the round
     _all(peers, lambda i: ("close", stage), 60)
 
 

@@ -46,6 +46,12 @@ def default_microbatch_tokens(device: torch.device) -> int:
 
 
 GIB = 1024**3
+# What a node's processes hold before any weight: Python with torch, transformers and hivemind
+# imported, the DHT process and p2pd (~0.45 GB PSS together in the demo, CPU), and DiLoCo's
+# averager helper, forked from the node (~0.37 GB PSS more). Measured, not derived: see
+# bench/results/demo.md.
+RUNTIME_BYTES = 450 * 10**6
+AVERAGER_BYTES = 370 * 10**6
 
 
 def stage_memory_bytes(
@@ -75,9 +81,11 @@ def stage_memory_bytes(
 
     Host: with ``outer`` (DiLoCo rounds with a replica to average with) the outer model, the
     pseudo-gradient and the momentum in fp32 shared memory plus PowerSGD's error feedback, 16 B per
-    trained parameter (node.dp.diloco); and a checkpoint's clone of what it saves (the trained
-    weights and AdamW's moments, 12 B per trained parameter, plus the outer state, 12 more).
-    On a CPU the two are the same RAM.
+    trained parameter (node.dp.diloco); the larger of a checkpoint's clone of what it saves (the
+    trained weights and AdamW's moments, 12 B per trained parameter, plus the outer state, 12
+    more) and an outer round's copies; and the processes' own memory (RUNTIME_BYTES). A lone
+    replica builds its outer state only when a partner appears (node.dp.deferred): counted here
+    all the same, as the memory it needs then. On a CPU device and host are the same RAM.
     """
     trainable = n_params if n_adapters is None else n_adapters
     frozen = 0 if n_adapters is None else n_params
@@ -86,22 +94,38 @@ def stage_memory_bytes(
     act_bytes = 2 if device.type == "cuda" else 4
     tokens = frame_tokens * max_inflight
     per_layer = 34 * hidden * act_bytes // 2  # bytes per token autograd keeps in one layer
-    if recompute:
-        activations = n_layers * tokens * hidden * act_bytes + (tokens * per_layer if n_layers else 0)
-    else:
-        activations = n_layers * tokens * per_layer
     if vocab:
-        activations += tokens * vocab * 4 * 2  # fp32 logits and their gradient
+        # The tail runs forward, loss and backward of a microbatch in one compute call
+        # (node.stage.pipeline), so one microbatch's activations are live there; the others in
+        # flight wait as their input frames. lm_head runs only where a label is (Stage.loss): one
+        # microbatch's tokens bound its fp32 logits and their gradient.
+        live, waiting = frame_tokens, tokens * hidden * act_bytes
+        logits = frame_tokens * vocab * 4 * 2
+    else:
+        live, waiting, logits = tokens, 0, 0
+    if recompute:
+        activations = n_layers * live * hidden * act_bytes + (live * per_layer if n_layers else 0)
+    else:
+        activations = n_layers * live * per_layer
+    activations += waiting + logits
     states = frozen * base + trainable * 4 * weight_bytes
     outer_bytes = trainable * 16 if outer else 0
     checkpoint = trainable * 12 + (trainable * 12 if outer else 0)
+    # An outer round's copies (node.dp.diloco): the node's d_hat and new theta, the helper's
+    # Delta snapshot, its output and, when re-anchoring, theta and momentum: ~24 B per trained
+    # parameter at once. Counted as the larger of it and a checkpoint's clone: both are taken
+    # between inner steps (only a clone still being written in the background can meet a round).
+    round_bytes = trainable * 24 if outer else 0
+    runtime = RUNTIME_BYTES + (AVERAGER_BYTES if outer else 0)
     return {
         "states": states,
         "activations": activations,
         "total": states + activations,
         "outer": outer_bytes,
         "checkpoint": checkpoint,
-        "host": outer_bytes + checkpoint,
+        "round": round_bytes,
+        "runtime": runtime,
+        "host": outer_bytes + max(checkpoint, round_bytes) + runtime,
         "trainable": trainable,
     }
 
@@ -110,7 +134,7 @@ def describe_memory(mem: dict[str, int]) -> str:
     return (
         f"~{mem['total'] / GIB:.1f} GiB on the device (weights, grads, AdamW {mem['states'] / GIB:.1f} GiB, "
         f"activations {mem['activations'] / GIB:.1f} GiB) + ~{mem['host'] / GIB:.1f} GiB on the host "
-        "(outer state, checkpoint copy)"
+        "(outer state, checkpoint or round copies, the processes)"
     )
 
 
