@@ -420,13 +420,15 @@ def run_join(cfg: NodeConfig) -> int:
                     return outer
 
                 # alone on the stage (and no outer state to resume): no rounds run, so the outer
-                # state is built when a partner first appears (node.dp.deferred says why)
+                # state is built when a partner first appears (node.dp.deferred says why), from
+                # starting weights read again from the model's files (an in-memory model has no
+                # other copy of them: it builds the state now)
                 partners = [
                     p for p, r in read_stage_records_sync(dht, run.run_id, len(run.stages))[index].items()
                     if p != peer_id and r.circuit == "fast"
                 ]  # fmt: skip
                 resumes_outer = resume_from is not None and "outer" in resume_from.extra_states
-                if partners or resumes_outer or run.dp.mode != "diloco":
+                if partners or resumes_outer or run.dp.mode != "diloco" or not source.reloads_weights:
                     build_outer()
                 else:
                     deferred = DeferredOuter(starting_weights, build_outer)
