@@ -161,8 +161,9 @@ def process_memory(device: torch.device | None = None) -> dict[str, int]:
 # glibc's malloc, when a process frees a block it had mmapped, raises its mmap threshold to that
 # block's size (up to 32 MiB): from then on a stage's layer tensors (a few MiB each), the
 # checkpoint's clones and start-up's whole-stage loads come from the heap arenas, and when they are
-# freed the pages stay with the process (measured: the starter held ~2 GB more than its stage
-# after hashing and calibrating the whole model). A fixed threshold keeps every block of 1 MiB or
+# freed the pages stay with the process (measured in the demo: the starter, which hashes and
+# calibrates the whole model, held ~0.9 GB more than the replica of its stage all run long; 0.02 GB
+# with this and malloc_trim, bench/results/demo.md). A fixed threshold keeps every block of 1 MiB or
 # more in its own mapping, which free() hands back to the OS at once; small objects are unaffected.
 MMAP_THRESHOLD_BYTES = 1 << 20
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
