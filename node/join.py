@@ -23,11 +23,19 @@ from hivemind import DHT
 from hivemind.p2p import P2P
 
 from node.config import NodeConfig, run_parts
+from node.dp.deferred import DeferredOuter
 from node.dp.diloco import OuterSync
 from node.model.adapters import adapter_params, add_adapters, base_dtype, cast_base
 from node.model.checkpoint import newest_for_run
 from node.model.data import ByteTokenizer, DataError, as_plain_text, check_data, load_examples, microbatches
-from node.model.devices import GIB, describe_memory, pick_device, stage_memory_bytes
+from node.model.devices import (
+    GIB,
+    describe_memory,
+    keep_large_blocks_returnable,
+    pick_device,
+    return_freed_memory,
+    stage_memory_bytes,
+)
 from node.model.loading import (
     ModelError,
     ModelSource,
@@ -350,6 +358,7 @@ def run_join(cfg: NodeConfig) -> int:
     stop.install()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    keep_large_blocks_returnable()  # before the first weight is loaded (node.model.devices says why)
     device = pick_device(cfg.device)
     key = load_swarm_key(cfg.swarm_key) if cfg.swarm_key else None  # checked above
     sockdir = socket_dir(cfg.run_id)
@@ -412,6 +421,7 @@ def run_join(cfg: NodeConfig) -> int:
         stop.check()
         index = claim_stage(cfg, dht, run, peer_id, fits, reachability)
         del model
+        return_freed_memory()  # what hashing, calibrating and the skeleton freed, before the stage loads
 
         def start_stage(index: int, resume_from=None) -> StageRuntime:
             """Load stage ``index`` and build its runtime (at the start, and again after a move)."""
@@ -440,6 +450,13 @@ def run_join(cfg: NodeConfig) -> int:
                 cast_base(stage, base_dtype(cfg.base_dtype, device))
                 trained = sum(p.numel() for p in stage.parameters() if p.requires_grad)
                 log.info("stage %d: %d LoRA adapters (%d trainable parameters)", index, n, trained)
+
+            def starting_weights() -> dict[str, torch.Tensor]:
+                """The stage's trained tensors as loaded above, before any step (on the CPU, in fp32)."""
+                fresh = source.load_stage(run.stages, index, torch.device("cpu"))
+                if run.finetune.mode == "lora":
+                    add_adapters(fresh, run.finetune, run.seed)  # seeded: the same adapters as above
+                return {n: p.detach() for n, p in fresh.named_parameters() if p.requires_grad}
             stop.check()
             data = None
             if index == 0:
@@ -451,25 +468,46 @@ def run_join(cfg: NodeConfig) -> int:
                 data = microbatches(
                     examples, tok, run.microbatch, run.seq_len, seed=seed, max_tokens=run.microbatch_tokens
                 )
-            outer = None
+            outer = deferred = None
             if run.outer.every > 0 and cfg.circuit == "fast":
                 o = run.outer
-                # hivemind's averager installs signal handlers: it must be created on the main thread
-                outer = OuterSync(
-                    dht,
-                    run.run_id,
-                    index,
-                    {n: p for n, p in stage.named_parameters() if p.requires_grad},
-                    rank=o.rank,
-                    group_size=o.group_size,
-                    outer_lr=o.lr,
-                    momentum=o.momentum,
-                    seed=run.seed,
-                    timeout=o.timeout,
-                    mode=o.mode,
-                )
+
+                def build_outer(theta0=None) -> OuterSync:
+                    nonlocal outer  # the cleanup below shuts its helper down, built now or later
+                    # hivemind's averager installs signal handlers: it must be created on the main thread
+                    outer = OuterSync(
+                        dht,
+                        run.run_id,
+                        index,
+                        {n: p for n, p in stage.named_parameters() if p.requires_grad},
+                        rank=o.rank,
+                        group_size=o.group_size,
+                        outer_lr=o.lr,
+                        momentum=o.momentum,
+                        seed=run.seed,
+                        timeout=o.timeout,
+                        mode=o.mode,
+                        theta0=theta0,
+                    )
+                    return outer
+
+                # alone on the stage (and no outer state to resume): no rounds run, so the outer
+                # state is built when a partner first appears (node.dp.deferred says why), from
+                # starting weights read again from the model's files (an in-memory model has no
+                # other copy of them: it builds the state now)
+                partners = [
+                    p for p, r in read_stage_records_sync(dht, run.run_id, len(run.stages))[index].items()
+                    if p != peer_id and r.circuit == "fast"
+                ]  # fmt: skip
+                resumes_outer = resume_from is not None and "outer" in resume_from.extra_states
+                if partners or resumes_outer or run.dp.mode != "diloco" or not source.reloads_weights:
+                    build_outer()
+                else:
+                    deferred = DeferredOuter(starting_weights, build_outer)
             stop.check()  # outer is set: the cleanup below shuts its helper down
-            runtime = StageRuntime(cfg, run, index, stage, dht, peer_id, data, device, outer=outer)
+            runtime = StageRuntime(
+                cfg, run, index, stage, dht, peer_id, data, device, outer=outer, deferred_outer=deferred
+            )
             runtime.stop_request = stop
             runtime.maddrs = maddrs
             runtime.reachability = reachability

@@ -24,6 +24,7 @@ import torch
 from compression.spectral import SpectralFilter
 from node.config import NodeConfig
 from node.dp.anchors import AnchorClient, PacketSink
+from node.dp.deferred import DeferredOuter
 from node.dp.scape import ScapeSync
 from node.dp.strategies import AdamWStep, AnchorStep
 from node.dp.tied import TiedExchange, tied_parameter
@@ -68,6 +69,7 @@ class StageRuntime(Lifecycle):
         data_stream=None,
         device: torch.device | None = None,
         outer=None,
+        deferred_outer: DeferredOuter | None = None,
     ):
         self.cfg, self.run, self.index, self.stage = cfg, run, stage_index, stage
         self.memory_estimate: dict | None = None  # node.model.devices.stage_memory_bytes, set by join
@@ -124,7 +126,10 @@ class StageRuntime(Lifecycle):
                 if tied is None
                 else TiedExchange(ctx, tied, self.hops.deadline(0), self.hops.refresh_routes)
             )
-            strategy = AdamWStep(ctx, self.gate, self.opt, self.filter, outer, self.tied)
+            deferred = None
+            if outer is None and deferred_outer is not None:
+                deferred = DeferredOuter(deferred_outer.initial, self._outer_built(deferred_outer.build))
+            strategy = AdamWStep(ctx, self.gate, self.opt, self.filter, outer, self.tied, deferred)
             # SCAPE: AdamS + a sparse sync with the stage's replicas every step, instead of AdamW
             if run.dp.mode == "scape" and cfg.circuit == "fast":
                 self.scape = strategy = ScapeSync(
@@ -168,6 +173,18 @@ class StageRuntime(Lifecycle):
     resumed_from = _shared("state", "resumed_from")
     link_in = _shared("linkio", "link_in")
     link_out = _shared("linkio", "link_out")
+
+    def _outer_built(self, build):
+        """``build``, then the runtime's own hold on what it built: the lifecycle (leaving, the
+        report's drift, a later join) and the checkpoints see it as if built at the start."""
+
+        def built(theta0):
+            outer = build(theta0)
+            self.outer = outer
+            self.state.register("outer", outer)
+            return outer
+
+        return built
 
     def metrics_dict(self) -> dict:
         m, bases = self.metrics, self.bases

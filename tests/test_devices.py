@@ -5,7 +5,7 @@ import torch
 
 from node.config import NodeConfig
 from node.join import stages_that_fit
-from node.model.devices import GIB, pick_device, stage_memory_bytes
+from node.model.devices import AVERAGER_BYTES, GIB, RUNTIME_BYTES, pick_device, stage_memory_bytes
 
 
 def test_cuda_request_falls_back_to_cpu_with_a_message(caplog, monkeypatch):
@@ -31,7 +31,19 @@ def test_memory_estimate_formula():
     assert m["activations"] == 2 * 16 * 34 * 64 * 4 // 2
     assert m["total"] == m["states"] + m["activations"]
     tail = stage_memory_bytes(1000, 2, 64, 100, 16, 1, torch.device("cpu"))
-    assert tail["activations"] - m["activations"] == 16 * 100 * 8
+    assert tail["activations"] - m["activations"] == 16 * 100 * 8 + 16 * 64 * 4  # logits, the waiting frame
+    # the tail computes one microbatch at a time: more in flight adds their input frames only
+    body4 = stage_memory_bytes(1000, 2, 64, None, 16, 4, torch.device("cpu"))
+    tail4 = stage_memory_bytes(1000, 2, 64, 100, 16, 4, torch.device("cpu"))
+    assert body4["activations"] == 4 * m["activations"]
+    assert tail4["activations"] - tail["activations"] == 3 * 16 * 64 * 4
+
+
+def test_host_estimate_counts_the_processes_and_the_larger_copy():
+    alone = stage_memory_bytes(1000, 2, 64, None, 16, 1, torch.device("cpu"))
+    assert alone["host"] == 12 * 1000 + RUNTIME_BYTES  # a checkpoint's clone, the processes
+    outer = stage_memory_bytes(1000, 2, 64, None, 16, 1, torch.device("cpu"), outer=True)
+    assert outer["host"] == 16 * 1000 + max(24 * 1000, 24 * 1000) + RUNTIME_BYTES + AVERAGER_BYTES
 
 
 def test_max_memory_limits_the_stages_a_node_claims():

@@ -109,6 +109,11 @@ def _worker(index: int, sockdir: str, conn) -> None:
                 params[stage] = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
                 syncs[stage] = diloco.OuterSync(dht, RUN, stage, params[stage], **kwargs)
                 out = syncs[stage].lineage
+            elif cmd == "open_late":  # built once a partner appeared, after local steps (node.dp.deferred)
+                stage, init, local, kwargs = args
+                params[stage] = {n: torch.nn.Parameter(t.clone()) for n, t in local.items()}
+                syncs[stage] = diloco.OuterSync(dht, RUN, stage, params[stage], theta0=init, **kwargs)
+                out = syncs[stage].lineage
             elif cmd == "set":
                 stage, values = args
                 with torch.no_grad():
@@ -342,6 +347,26 @@ def test_one_group_uncompressed_equals_diloco_and_bytes(peers):
         formula = 2 * (k - 1) * bytes_for(SMALL, 0)  # = sum of dense_bytes
         assert formula <= total <= formula * 1.02 + 2048, (total, formula)
         print(f"\nrank 0, {numel} numbers, group of 3: sent {total} B in all, formula {formula} B")
+
+
+def test_outer_state_built_late_equals_diloco(peers):
+    """Replicas that built their outer state only when a partner appeared, after training alone
+    (``theta0`` = the starting weights), take the same round as ones that held it from the start:
+    one lineage (no re-anchoring) and torch's Nesterov on the mean Delta from theta_0."""
+    stage, theta0 = 12, _theta0(12, SMALL)
+    kwargs = dict(BASE, rank=0)
+    locals_ = [_dense_drift(theta0, 12000 + i, i) for i in range(N_PEERS)]
+    eager = peers[0].call("open", stage, theta0, kwargs, None)
+    peers[0].call("set", stage, locals_[0])
+    late = _all(peers[1:], lambda i: ("open_late", stage, theta0, locals_[i + 1], kwargs), 90)
+    assert late == [eager] * (N_PEERS - 1)
+    outs = _all(peers, lambda i: ("round", stage, 0), kwargs["timeout"] + SLACK_S)
+    want = ReferenceDiLoCo(theta0).step(locals_)
+    for stats, got, _, _ in outs:
+        assert not stats["skipped"] and not stats["reanchored"], stats
+        assert _max_abs(got, want) <= 1e-5, _max_abs(got, want)
+    assert len({lineage for *_, lineage in outs}) == 1  # one outer model after the round
+    _all(peers, lambda i: ("close", stage), 60)
 
 
 def test_gasloc_complete_group_equals_diloco(peers):

@@ -463,7 +463,11 @@ class OuterSync:
         min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL,
         next_chunk_timeout: float | None = None,
         state_sharing: bool = True,
+        theta0: Mapping[str, torch.Tensor] | None = None,
     ):
+        """``theta0``: the outer model to start from (default: the parameters as they are now). A
+        replica that built its outer state only when a partner appeared (node.dp.deferred) passes
+        the stage's starting weights: the state it would have held since the start."""
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("create OuterSync on the main thread (hivemind installs signal handlers)")
         if mode not in MODES:
@@ -493,7 +497,10 @@ class OuterSync:
         q: dict[str, torch.Tensor] = {}
         for n in self.names:
             p = self._params[n].detach()
-            self._theta[n] = p.to("cpu", torch.float32).clone().share_memory_()
+            start = p if theta0 is None else theta0[n]
+            if tuple(start.shape) != tuple(p.shape):
+                raise ValueError(f"theta0[{n!r}]: shape {list(start.shape)}, the parameter {list(p.shape)}")
+            self._theta[n] = start.to("cpu", torch.float32).clone().share_memory_()
             self._delta[n] = torch.zeros(p.shape, dtype=torch.float32).share_memory_()
             if comp.is_compressed(n, p.shape):
                 m = p.shape[0]

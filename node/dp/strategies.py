@@ -19,6 +19,7 @@ import torch
 
 from compression.spectral import SpectralFilter, filter_gradients
 from node.dp.anchors import AnchorClient
+from node.dp.deferred import DeferredOuter
 from node.dp.tied import TiedExchange
 from node.stage.context import StageContext
 from node.stage.step import StepGate, StepResult
@@ -73,9 +74,11 @@ class AdamWStep:
         spectral: SpectralFilter | None,
         outer=None,
         tied: TiedExchange | None = None,
+        deferred: DeferredOuter | None = None,
     ) -> None:
         self.ctx, self.gate, self.opt, self.spectral, self.outer = ctx, gate, opt, spectral, outer
         self.tied = tied
+        self.deferred = None if outer is not None else deferred  # builds ``outer`` once a partner appears
         self.last_round: int | None = None  # the stage round this replica took last (None: not yet known)
 
     def _apply(self, microbatches: int, tied_partner: torch.Tensor | None = None) -> bool:
@@ -110,7 +113,7 @@ class AdamWStep:
         """Average pseudo-gradients with the stage's live replicas once per stage round (DESIGN 4.3)."""
         ctx = self.ctx
         every = ctx.run.outer.every
-        if self.outer is None or every <= 0:
+        if (self.outer is None and self.deferred is None) or every <= 0:
             return
         peers = fast_peers_of_stage(ctx)
         steps = [r.inner_step for r in peers.values()]
@@ -125,6 +128,13 @@ class AdamWStep:
         if not peers:  # alone on the stage: nobody to average with
             ctx.metrics.outer_alone += 1
             return
+        if self.outer is None:  # the first partner: the outer state this replica held all along
+            theta0 = await ctx.compute(self.deferred.initial)
+            t0 = time.monotonic()
+            self.outer = self.deferred.build(theta0)  # here, on the event loop's (main) thread
+            self.deferred = None
+            del theta0
+            log.info("outer state built for the stage's first partner in %.1fs", time.monotonic() - t0)
         # Replicas meet only if the others can reach their round while we wait in ours: turn
         # microbatches away (upstream retries them on another replica) instead of holding them.
         log.debug("outer round %d at inner step %d (replicas at %s)", due, step, steps)

@@ -29,6 +29,7 @@ from node.argv import config_from_args, config_to_argv
 from node.local.dashboard import DashboardProcess, start_dashboard
 from node.local.memory import PeakMemory
 from node.local.report import build_report, plot_eval, plot_link_rates, plot_loss
+from node.model.devices import keep_large_blocks_returnable, return_freed_memory
 from node.stage.links import LONG_FRAME_LAYOUT
 from node.swarm.membership import parent_death_signal
 
@@ -299,9 +300,11 @@ def run_swarm(args) -> int:
     published: dict | None = None  # the codec the run record carries (node 0's ready file)
     rates: list[tuple[float, dict]] = []
     memory = PeakMemory()
+    keep_large_blocks_returnable()  # the launcher loads the whole model twice (--eval, --export)
     try:
         if args.eval:
             held, before = prepare_eval(args, report)  # also points args.data at the training split
+            return_freed_memory()  # the base model it scored stays freed while the swarm runs
         print(
             f"starting {args.nodes} nodes ({args.stages} stages, {args.model}) - logs in {report}/nodes",
             flush=True,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 
 import torch
@@ -44,6 +46,12 @@ def default_microbatch_tokens(device: torch.device) -> int:
 
 
 GIB = 1024**3
+# What a node's processes hold before any weight: Python with torch, transformers and hivemind
+# imported, the DHT process and p2pd (~0.45 GB PSS together in the demo, CPU), and DiLoCo's
+# averager helper, forked from the node (~0.37 GB PSS more). Measured, not derived: see
+# bench/results/demo.md.
+RUNTIME_BYTES = 450 * 10**6
+AVERAGER_BYTES = 370 * 10**6
 
 
 def stage_memory_bytes(
@@ -73,9 +81,11 @@ def stage_memory_bytes(
 
     Host: with ``outer`` (DiLoCo rounds with a replica to average with) the outer model, the
     pseudo-gradient and the momentum in fp32 shared memory plus PowerSGD's error feedback, 16 B per
-    trained parameter (node.dp.diloco); and a checkpoint's clone of what it saves (the trained
-    weights and AdamW's moments, 12 B per trained parameter, plus the outer state, 12 more).
-    On a CPU the two are the same RAM.
+    trained parameter (node.dp.diloco); the larger of a checkpoint's clone of what it saves (the
+    trained weights and AdamW's moments, 12 B per trained parameter, plus the outer state, 12
+    more) and an outer round's copies; and the processes' own memory (RUNTIME_BYTES). A lone
+    replica builds its outer state only when a partner appears (node.dp.deferred): counted here
+    all the same, as the memory it needs then. On a CPU device and host are the same RAM.
     """
     trainable = n_params if n_adapters is None else n_adapters
     frozen = 0 if n_adapters is None else n_params
@@ -84,22 +94,38 @@ def stage_memory_bytes(
     act_bytes = 2 if device.type == "cuda" else 4
     tokens = frame_tokens * max_inflight
     per_layer = 34 * hidden * act_bytes // 2  # bytes per token autograd keeps in one layer
-    if recompute:
-        activations = n_layers * tokens * hidden * act_bytes + (tokens * per_layer if n_layers else 0)
-    else:
-        activations = n_layers * tokens * per_layer
     if vocab:
-        activations += tokens * vocab * 4 * 2  # fp32 logits and their gradient
+        # The tail runs forward, loss and backward of a microbatch in one compute call
+        # (node.stage.pipeline), so one microbatch's activations are live there; the others in
+        # flight wait as their input frames. lm_head runs only where a label is (Stage.loss): one
+        # microbatch's tokens bound its fp32 logits and their gradient.
+        live, waiting = frame_tokens, tokens * hidden * act_bytes
+        logits = frame_tokens * vocab * 4 * 2
+    else:
+        live, waiting, logits = tokens, 0, 0
+    if recompute:
+        activations = n_layers * live * hidden * act_bytes + (live * per_layer if n_layers else 0)
+    else:
+        activations = n_layers * live * per_layer
+    activations += waiting + logits
     states = frozen * base + trainable * 4 * weight_bytes
     outer_bytes = trainable * 16 if outer else 0
     checkpoint = trainable * 12 + (trainable * 12 if outer else 0)
+    # An outer round's copies (node.dp.diloco): the node's d_hat and new theta, the helper's
+    # Delta snapshot, its output and, when re-anchoring, theta and momentum: ~24 B per trained
+    # parameter at once. Counted as the larger of it and a checkpoint's clone: both are taken
+    # between inner steps (only a clone still being written in the background can meet a round).
+    round_bytes = trainable * 24 if outer else 0
+    runtime = RUNTIME_BYTES + (AVERAGER_BYTES if outer else 0)
     return {
         "states": states,
         "activations": activations,
         "total": states + activations,
         "outer": outer_bytes,
         "checkpoint": checkpoint,
-        "host": outer_bytes + checkpoint,
+        "round": round_bytes,
+        "runtime": runtime,
+        "host": outer_bytes + max(checkpoint, round_bytes) + runtime,
         "trainable": trainable,
     }
 
@@ -108,7 +134,7 @@ def describe_memory(mem: dict[str, int]) -> str:
     return (
         f"~{mem['total'] / GIB:.1f} GiB on the device (weights, grads, AdamW {mem['states'] / GIB:.1f} GiB, "
         f"activations {mem['activations'] / GIB:.1f} GiB) + ~{mem['host'] / GIB:.1f} GiB on the host "
-        "(outer state, checkpoint copy)"
+        "(outer state, checkpoint or round copies, the processes)"
     )
 
 
@@ -130,3 +156,37 @@ def process_memory(device: torch.device | None = None) -> dict[str, int]:
     if device is not None and device.type == "cuda":
         out["device_peak"] = int(torch.cuda.max_memory_allocated(device))
     return out
+
+
+# glibc's malloc, when a process frees a block it had mmapped, raises its mmap threshold to that
+# block's size (up to 32 MiB): from then on a stage's layer tensors (a few MiB each), the
+# checkpoint's clones and start-up's whole-stage loads come from the heap arenas, and when they are
+# freed the pages stay with the process (measured in the demo: the starter, which hashes and
+# calibrates the whole model, held ~0.9 GB more than the replica of its stage all run long; 0.02 GB
+# with this and malloc_trim, bench/results/demo.md). A fixed threshold keeps every block of 1 MiB or
+# more in its own mapping, which free() hands back to the OS at once; small objects are unaffected.
+MMAP_THRESHOLD_BYTES = 1 << 20
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        lib = ctypes.CDLL(name)
+        return lib if hasattr(lib, "mallopt") and hasattr(lib, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+def keep_large_blocks_returnable() -> bool:
+    """Pin glibc's mmap threshold (see MMAP_THRESHOLD_BYTES); False where libc is not glibc."""
+    lib = _libc()
+    return bool(lib is not None and lib.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+
+
+def return_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere): after
+    a phase that freed much (start-up's whole-model passes, a checkpoint's clones)."""
+    lib = _libc()
+    if lib is not None:
+        lib.malloc_trim(0)

@@ -567,6 +567,12 @@ class ModelSource:
         stage_hashes = [self.stage_hash(ranges, i) for i in range(len(ranges))]
         return combine_hashes(self.config_hash(), stage_hashes), stage_hashes
 
+    @property
+    def reloads_weights(self) -> bool:
+        """Whether each ``load_stage`` reads the stage's starting weights anew (from its files); an
+        in-memory model (tiny, built from a config) hands out its own tensors, which training moves."""
+        return self._files is not None
+
     def load_stage(
         self, ranges: list[list[int]], index: int, device: torch.device, dtype: torch.dtype | None = None
     ):

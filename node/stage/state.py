@@ -17,6 +17,7 @@ import torch
 
 from node.model.adapters import AdapterError, load_trained_state, trained_state
 from node.model.checkpoint import CheckpointError, checkpoint_dir, clone_state, note_failure, save_checkpoint
+from node.model.devices import return_freed_memory
 from node.stage.context import StageContext
 
 log = logging.getLogger("node")
@@ -83,6 +84,11 @@ class StageState:
             why = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
             log.warning("checkpoint failed: %s", why)
             note_failure(self.directory(), why)  # for export, should no checkpoint be there
+        finally:
+            # the pool's work item holds ``snap`` until this returns: drop the clones now, and give
+            # their pages back rather than keep a checkpoint's worth of free heap between checkpoints
+            snap.clear()
+            return_freed_memory()
 
     def restore(self, ck) -> None:
         """Load a checkpoint of this run and stage (before serving)."""
