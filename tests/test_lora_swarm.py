@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,9 +25,16 @@ def lora_swarm(tmp_path_factory):
         "--nodes", "4", "--stages", "2", "--steps", "30", "--model", MODEL, "--lr", "1e-2",
         "--finetune", "lora", "--lora-rank", str(RANK), "--lora-alpha", "32",
         "--outer-every", "6", "--powersgd-rank", "0", "--outer-timeout", "45", "--no-rebalance",
-        "--export", str(out / "model"),
         timeout=500,
     )  # fmt: skip
+    # exported from the nodes' checkpoints, as a user does after a run without --export (with it,
+    # the launcher deletes the checkpoints once the export is written, and they are tested here)
+    p = subprocess.run(
+        [sys.executable, "-m", "node", "export", "--checkpoints", str(out / "nodes"), "--model", MODEL,
+         "--out", str(out / "model")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     return rep, out
 
 
