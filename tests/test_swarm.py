@@ -133,3 +133,7 @@ def test_report_has_plot_and_nothing_left_behind(swarm_report):
     assert glob.glob(f"/tmp/vnode-{run_id}-*") == []
     assert _processes_mentioning(f"vnode-{run_id}-") == []
     assert all(not p.endswith(".sock") for p in os.listdir("/tmp") if f"vnode-{run_id}" in p)
+    # the outer models the replicas left were read for the replica distance, then deleted (a fp32
+    # copy of each replicated stage; 650 MB of the demo's disk)
+    assert rep["outer"]["max_replica_distance"] is not None
+    assert list((out / "nodes").glob("*/outer_theta.safetensors")) == []

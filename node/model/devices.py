@@ -73,7 +73,8 @@ def stage_memory_bytes(
     Device: with full fine-tuning (``n_adapters`` None) every one of the ``n_params`` weights
     trains; with LoRA the ``n_params`` of the base are frozen at ``base_bytes`` each and the
     ``n_adapters`` adapter parameters train. Trained tensors are fp32 with their gradients and
-    AdamW's two moments (16 B each, as ``node.model.loading.weight_dtype`` loads them); and the
+    AdamW's two moments (16 B each, as ``node.model.loading.weight_dtype`` loads them), 4 B more
+    per trained parameter that a step's peak measures beyond them; and the
     activations autograd keeps per in-flight microbatch of ``frame_tokens`` padded tokens (~34·h bytes per
     token per layer in 16-bit, doubled in fp32; Korthikanti et al. 2022),
     plus the tail's logits. With ``recompute`` (activation checkpointing) a layer keeps only its
@@ -109,6 +110,10 @@ def stage_memory_bytes(
         activations = n_layers * live * per_layer
     activations += waiting + logits
     states = frozen * base + trainable * 4 * weight_bytes
+    # Measured beyond weights, grads and moments at a node's peak (tests/test_devices.py, a body
+    # stage on the CPU with the node's allocator settings): 1.5-7 B per trained parameter, the
+    # optimizer step's temporaries and the pages of the first step's moments; 4 B counted.
+    step = trainable * 4
     outer_bytes = trainable * 16 if outer else 0
     checkpoint = trainable * 12 + (trainable * 12 if outer else 0)
     # An outer round's copies (node.dp.diloco): the node's d_hat and new theta, the helper's
@@ -120,7 +125,8 @@ def stage_memory_bytes(
     return {
         "states": states,
         "activations": activations,
-        "total": states + activations,
+        "step": step,
+        "total": states + activations + step,
         "outer": outer_bytes,
         "checkpoint": checkpoint,
         "round": round_bytes,
