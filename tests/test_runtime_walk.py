@@ -102,7 +102,11 @@ def test_event_loop_answers_while_a_lowrank_frame_is_encoded():
     # pass too; twice the bound is enough (the encode's own speed varies with load: 0.16 s seen
     # after a 0.2 s calibration beside a CPU burner)
     assert rt.metrics.dropped == 1 and walked >= 0.1, (rt.metrics.dropped, walked)
-    assert lateness < 0.05, f"the event loop stalled {lateness * 1000:.0f} ms during a {walked:.2f} s walk"
+    # an encode on the loop stalls it for about the encode (>= 0.2 s, 0.8x of it seen under load);
+    # a thread's encode leaves only scheduling delay: 56 ms seen with two test files running on
+    # two cores, so the bound is a share of the encode, never under 50 ms
+    bound = max(0.05, 0.4 * encode_s)
+    assert lateness < bound, f"the event loop stalled {lateness * 1000:.0f} ms during a {walked:.2f} s walk"
 
 
 class _Writer:
