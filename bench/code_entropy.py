@@ -29,6 +29,7 @@ from compression.codec import LinkContext
 from compression.registry import make_codec
 from node.model.data import collate, tokenize
 from node.model.loading import load_model
+from node.model.stages import build_stage, default_stage_ranges
 from node.stage.links import LONG_FRAME_LAYOUT, loss_rows, parse_tiers
 
 
@@ -64,38 +65,25 @@ def default_codec():
     )
 
 
-def measure(frames: int, frame_tokens: int, boundary: int) -> dict:
+def measure(frames: int, frame_tokens: int) -> dict:
     model, tok, _ = load_model("bundled")
-    model.train()
+    ranges = default_stage_ranges(model, 2)  # the split a 2-stage swarm uses
+    head = build_stage(model, ranges, 0, keep_model=True)
+    tail = build_stage(model, ranges, 1)
     pad = tok.eos_token_id
     codec = default_codec()
     rows = {"forward": Counter(), "backward": Counter()}
     tokens = 0
     for frame in step_frames(task_stream("word", 0), tok, frames, frame_tokens):
         ids, labels = collate([tokenize(tok, ex, SEQ_LEN) for ex in frame], pad)
-        h = model.model.embed_tokens(ids)
-        pos = torch.arange(ids.shape[1]).unsqueeze(0)
-        emb = model.model.rotary_emb(h, pos)
-        for layer in model.model.layers[:boundary]:
-            h = layer(h, position_embeddings=emb)
-            h = h[0] if isinstance(h, tuple) else h
-        x = h.detach().requires_grad_(True)
-        y = x
-        for layer in model.model.layers[boundary:]:
-            y = layer(y, position_embeddings=emb)
-            y = y[0] if isinstance(y, tuple) else y
-        logits = model.lm_head(model.model.norm(y))
-        loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
-        )
-        loss.backward()
+        x = head(ids).detach().requires_grad_(True)
+        tail.loss(x, labels)[0].backward()
         ctx = LinkContext(loss_rows=loss_rows(labels))
         tokens += ids.numel()
         for direction, t in (("forward", x.detach()), ("backward", x.grad)):
             enc = codec.encode_forward if direction == "forward" else codec.encode_backward
-            payload = enc(t, ctx)
             c = rows[direction]
-            for name, v in payload.items():
+            for name, v in enc(t, ctx).items():
                 raw = v.contiguous().view(torch.uint8).numpy().tobytes() if v.numel() else b""
                 c[f"{name}:sent"] += len(raw)
                 sym = field_symbols(name, v)
@@ -105,8 +93,8 @@ def measure(frames: int, frame_tokens: int, boundary: int) -> dict:
                     c["codes:zlib"] += len(zlib.compress(raw, 9))
                     c["codes:lzma"] += len(lzma.compress(raw, preset=9))
                 c["all:sent"] += len(raw)
-        model.zero_grad(set_to_none=True)
-    out = {"frames": frames, "tokens": tokens, "boundary": boundary}
+        tail.zero_grad(set_to_none=True)
+    out = {"frames": frames, "tokens": tokens, "boundary": ranges[0][1]}
     for direction, c in rows.items():
         per = {k: v / tokens for k, v in c.items()}
         out[direction] = {
@@ -125,11 +113,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--frames", type=int, default=4)
     ap.add_argument("--frame-tokens", type=int, default=2048)
-    ap.add_argument("--boundary", type=int, default=15, help="layers before the link (2 stages: 15)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     torch.manual_seed(0)
-    rec = measure(a.frames, a.frame_tokens, a.boundary)
+    rec = measure(a.frames, a.frame_tokens)
     for d in ("forward", "backward"):
         r = rec[d]
         print(

@@ -28,7 +28,7 @@ from pathlib import Path
 from node.argv import config_from_args, config_to_argv
 from node.local.dashboard import DashboardProcess, start_dashboard
 from node.local.memory import PeakMemory
-from node.local.report import build_report, plot_eval, plot_link_rates, plot_loss
+from node.local.report import build_report, drop_outer_thetas, plot_eval, plot_link_rates, plot_loss
 from node.model.devices import keep_large_blocks_returnable, return_freed_memory
 from node.stage.links import LONG_FRAME_LAYOUT
 from node.swarm.membership import parent_death_signal
@@ -350,9 +350,7 @@ def run_swarm(args) -> int:
         codec_settings=published,
         elapsed_s=time.monotonic() - t_start,
     )
-    # the outer models the nodes left were read for the report's replica distance: a copy of
-    # each replicated stage in fp32 (650 MB in the demo) that nothing reads again
-    drop_outer_thetas(report, len(procs))
+    drop_outer_thetas(metrics)  # build_report has read them for the replica distance
     model_line = ""
     if status == 0 and (args.eval or args.export):
         rep["eval"], model_line = finish_model(args, report, run_id, held, before)
@@ -387,18 +385,6 @@ def run_swarm(args) -> int:
     if model_line:  # the held-out line last: what a demo user looks for
         print(model_line, flush=True)
     return status
-
-
-def drop_outer_thetas(report: Path, n: int) -> int:
-    """Delete the ``outer_theta.safetensors`` the nodes leave once the report has read them; the
-    bytes freed."""
-    freed = 0
-    for i in range(n):
-        f = report / "nodes" / str(i) / "outer_theta.safetensors"
-        if f.is_file():
-            freed += f.stat().st_size
-            f.unlink()
-    return freed
 
 
 def prune_checkpoints(report: Path, n: int) -> int:

@@ -35,6 +35,18 @@ def sum_links(metrics: list[dict]) -> list[dict]:
     ]
 
 
+def outer_theta_path(m: dict) -> Path:
+    """Where a node leaves its outer model on exit (node.lifecycle), from its metrics."""
+    return Path(m.get("state_dir", "/nonexistent")) / "outer_theta.safetensors"
+
+
+def drop_outer_thetas(metrics: list[dict]) -> None:
+    """Delete the outer models the nodes left once ``outer_summary`` has read them: a fp32 copy of
+    each replicated stage (650 MB in the demo) that nothing reads again."""
+    for m in metrics:
+        outer_theta_path(m).unlink(missing_ok=True)
+
+
 def outer_summary(metrics: list[dict]) -> dict:
     """Outer rounds summed over peers, and the largest distance between replicas' outer models
     (read from the ``outer_theta.safetensors`` each node leaves in its state dir)."""
@@ -42,7 +54,7 @@ def outer_summary(metrics: list[dict]) -> dict:
     dists = []
     thetas: dict[int, list[dict]] = defaultdict(list)
     for m in metrics:
-        path = Path(m.get("state_dir", "/nonexistent")) / "outer_theta.safetensors"
+        path = outer_theta_path(m)
         if path.exists():
             from safetensors.torch import load_file
 
