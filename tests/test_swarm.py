@@ -84,17 +84,33 @@ def test_replicas_average_by_default(swarm_report):
     # each stage's two replicas committed >= 1 round together, >= 3 group rounds in all (heads step
     # on their own microbatches only, so under load one head can reach a round too late to meet its
     # partner). Replicas can be a round apart (one's round 4 met the other's round 5), so groups are
-    # counted, not matched by index: both replicas committed the same number, and after the last
-    # their outer models must be equal (exact averages: distance ~1e-7)
-    by_stage: dict[int, list[int]] = {}
+    # counted, not matched by index: both replicas committed the same number (one apart at most,
+    # after a round one side skipped) and after the last their outer models must be equal (exact
+    # averages: distance ~1e-7).
+    # One exception, at most one stage: a round that failed on one side only (seen once in CI: a
+    # tail's last round committed on one replica while the other skipped it) leaves
+    # them apart until their next round re-anchors them (tests/test_diloco_sync.py), which a run
+    # that stops there never takes. Then both recorded that last round and they disagree on it.
+    by_stage: dict[int, list[list[dict]]] = {}
     for m in rep["nodes"]:
-        done = [r for r in m.get("outer_rounds", []) if not r["skipped"] and r["group_size"] == 2]
-        by_stage.setdefault(m["stage"], []).append(len(done))
+        by_stage.setdefault(m["stage"], []).append(m.get("outer_rounds", []))
     assert sorted(by_stage) == [0, 1], by_stage
-    for stage, counts in by_stage.items():
-        assert len(counts) == 2 and counts[0] == counts[1] >= 1, (stage, counts, _rounds(rep))
-    assert sum(c[0] for c in by_stage.values()) >= 3, (by_stage, _rounds(rep))
-    assert outer["max_replica_distance"] is not None and outer["max_replica_distance"] <= 1e-6, outer
+    exact, apart, together = [], [], 0
+    for stage, replicas in by_stage.items():
+        assert len(replicas) == 2 and all(replicas), (stage, _rounds(rep))
+        counts = [len([r for r in rs if not r["skipped"] and r["group_size"] == 2]) for rs in replicas]
+        assert min(counts) >= 1 and abs(counts[0] - counts[1]) <= 1, (stage, _rounds(rep))
+        together += min(counts)
+        a, b = replicas[0][-1], replicas[1][-1]
+        split = a["round"] == b["round"] and a["skipped"] != b["skipped"]
+        (apart if split else exact).append(stage)
+    assert len(apart) <= 1 and exact, (apart, _rounds(rep))
+    assert together >= 3, _rounds(rep)
+    dist = outer["replica_distance"]
+    for stage in exact:
+        assert dist[str(stage)] <= 1e-6, (stage, outer, _rounds(rep))
+    for stage in apart:
+        assert dist[str(stage)] > 1e-6, (stage, outer)  # if not, the records lie about the round
     lines = (out / "swarm.out").read_text().strip().splitlines()
     outer_lines = [x for x in lines if "outer rounds" in x]
     assert outer_lines, lines[-5:]

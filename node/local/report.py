@@ -59,12 +59,15 @@ def outer_summary(metrics: list[dict]) -> dict:
             from safetensors.torch import load_file
 
             thetas[m["stage"]].append(load_file(str(path)))
+    by_stage: dict[str, float] = {}
     if thetas:
         from compression.outer import param_distance
 
-        dists = [
-            param_distance(a, b) for ts in thetas.values() for i, a in enumerate(ts) for b in ts[i + 1 :]
-        ]
+        for stage, ts in sorted(thetas.items()):
+            pair = [param_distance(a, b) for i, a in enumerate(ts) for b in ts[i + 1 :]]
+            if pair:
+                by_stage[str(stage)] = max(pair)
+        dists = list(by_stage.values())
     return {
         "rounds": len([r for r in rounds if not r["skipped"]]),
         "skipped": len([r for r in rounds if r["skipped"]]) + sum(m.get("outer_alone", 0) for m in metrics),
@@ -78,6 +81,9 @@ def outer_summary(metrics: list[dict]) -> dict:
         ),
         "reanchored": len([r for r in rounds if r.get("reanchored")]),
         "max_replica_distance": max(dists) if dists else None,
+        # per stage: a round that failed on one side only (a lost chunk) leaves two replicas apart
+        # until their next round re-anchors them, so which stage is apart matters
+        "replica_distance": by_stage,
     }
 
 
