@@ -80,6 +80,18 @@ def check_run_flags(a: argparse.Namespace) -> None:
         if a.mode == "pretrain":
             raise FlagError("--finetune lora adapts a pretrained model; --mode pretrain trains one from "
                             "scratch: use --finetune full")  # fmt: skip
+    base = getattr(a, "base_dtype", "auto")
+    if base == "nf4":
+        from node.model.adapters import nf4_available
+
+        if not nf4_available():
+            raise FlagError("--base-dtype nf4 needs the bitsandbytes package: pip install bitsandbytes"
+                            "==0.50.2 (the nf4 extra), or pass --base-dtype bf16")  # fmt: skip
+    # a joiner learns the run's --finetune from its record (node.join checks it there)
+    new_run = not getattr(a, "peers", None) or getattr(a, "new_run", False)
+    if base != "auto" and a.finetune != "lora" and new_run:
+        raise FlagError(f"--base-dtype {base} is the frozen base's dtype under LoRA adapters: add --finetune "
+                        "lora, or leave it out (full fine-tuning trains every weight in fp32)")  # fmt: skip
     if a.microbatch_tokens and not a.seq_len <= a.microbatch_tokens <= 2**20:
         raise FlagError(
             f"--microbatch-tokens {a.microbatch_tokens} must be 0 or at least --seq-len ({a.seq_len}): "
@@ -150,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds for one hop's compute and reply, times the hops ahead (default: %(default)s)",
     )
     s.add_argument("--swarm-key", default=None, help="swarm key file given to every node")
+    s.add_argument(
+        "--base-dtype",
+        default=_CFG_DEFAULTS["base_dtype"],
+        choices=["auto", "fp32", "bf16", "nf4"],
+        help="--finetune lora: every node's frozen base; nf4 = 4-bit linear weights (QLoRA, needs "
+        "bitsandbytes) (default: %(default)s)",
+    )
     s.add_argument(
         "--no-rebalance",
         dest="rebalance",

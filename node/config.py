@@ -452,8 +452,9 @@ class NodeConfig:
     base_dtype: str = opt(
         "auto",
         help="--finetune lora: the frozen base's dtype on this node; auto = bf16 on CUDA, fp32 on the "
-        "CPU (where bf16 matmuls are slower); the adapters stay fp32 (default: %(default)s)",
-        choices=("auto", "fp32", "bf16"),
+        "CPU (where bf16 matmuls are slower); nf4 = the decoder layers' linear weights in 4 bits "
+        "(QLoRA, needs bitsandbytes), the rest as auto; the adapters stay fp32 (default: %(default)s)",
+        choices=("auto", "fp32", "bf16", "nf4"),
         group=NODE,
     )
     threads: int = opt(0, help="torch CPU threads, 0 = torch default", min=0, group=NODE)

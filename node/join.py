@@ -25,7 +25,15 @@ from hivemind.p2p import P2P
 from node.config import NodeConfig, run_parts
 from node.dp.deferred import DeferredOuter
 from node.dp.diloco import OuterSync
-from node.model.adapters import adapter_params, add_adapters, base_dtype, cast_base
+from node.model.adapters import (
+    adapter_params,
+    add_adapters,
+    base_dtype,
+    cast_base,
+    frozen_base,
+    frozen_bytes_per_param,
+    quantize_base,
+)
 from node.model.checkpoint import newest_for_run
 from node.model.data import ByteTokenizer, DataError, as_plain_text, check_data, load_examples, microbatches
 from node.model.devices import (
@@ -156,7 +164,6 @@ def stage_memory(cfg: NodeConfig, run: RunRecord, model, device) -> list[dict[st
     """Memory estimate of every stage of the run on this node's device."""
     layers = model.model.layers
     lora = run.finetune.mode == "lora"
-    base_bytes = torch.finfo(base_dtype(cfg.base_dtype, device)).bits // 8 if lora else None
     outer = run.outer.every > 0 and run.dp.mode == "diloco" and cfg.circuit == "fast"
     out = []
     for i, (start, end) in enumerate(run.stages):
@@ -167,6 +174,7 @@ def stage_memory(cfg: NodeConfig, run: RunRecord, model, device) -> list[dict[st
         if is_tail:
             n += model.get_output_embeddings().weight.numel()
         trainable = adapter_params(layers[start:end], run.finetune) if lora else None
+        frozen = frozen_bytes_per_param(layers[start:end], n, cfg.base_dtype, device) if lora else None
         out.append(
             stage_memory_bytes(
                 n,
@@ -177,7 +185,7 @@ def stage_memory(cfg: NodeConfig, run: RunRecord, model, device) -> list[dict[st
                 cfg.max_inflight,
                 device,
                 n_adapters=trainable,
-                base_bytes=base_bytes,
+                base_bytes=frozen,
                 outer=outer,
                 recompute=cfg.recompute_layers,
             )
@@ -231,10 +239,7 @@ def claim_stage(
         if not 0 <= index < n:
             raise JoinError(f"--stage {index} does not exist: this run has stages 0..{n - 1}")
         if index not in fits:
-            raise JoinError(
-                f"stage {index} does not fit in {limits}; "
-                f"stages that fit: {sorted(fits)}"
-            )
+            raise JoinError(f"stage {index} does not fit in {limits}; stages that fit: {sorted(fits)}")
     else:
         served = {i for i in fits if unreachable_neighbour(records, i, peer_id, cfg.circuit) is None}
         index = choose_stage(records, cfg.circuit, allowed=served if behind_nat and served else fits)
@@ -414,6 +419,11 @@ def run_join(cfg: NodeConfig) -> int:
                 )
             elif cfg.stage == "auto":
                 cfg.stage = str(resume_from.counters["stage"])  # back to the stage the checkpoint holds
+        if cfg.base_dtype != "auto" and run.finetune.mode != "lora":
+            raise JoinError(
+                f"--base-dtype {cfg.base_dtype} applies to a --finetune lora run (a frozen base under "
+                "adapters); this run trains every weight in fp32: leave --base-dtype out"
+            )
         mem = stage_memory(cfg, run, model, device)
         fits = stages_that_fit(cfg, mem, on_cpu=device.type == "cpu")
         stop.check()
@@ -448,6 +458,8 @@ def run_join(cfg: NodeConfig) -> int:
             if run.finetune.mode == "lora":
                 n = add_adapters(stage, run.finetune, run.seed)
                 cast_base(stage, base_dtype(cfg.base_dtype, device))
+                if cfg.base_dtype == "nf4":
+                    quantize_base(stage, base_dtype(cfg.base_dtype, device))
                 trained = sum(p.numel() for p in stage.parameters() if p.requires_grad)
                 log.info("stage %d: %d LoRA adapters (%d trainable parameters)", index, n, trained)
 
@@ -457,6 +469,7 @@ def run_join(cfg: NodeConfig) -> int:
                 if run.finetune.mode == "lora":
                     add_adapters(fresh, run.finetune, run.seed)  # seeded: the same adapters as above
                 return {n: p.detach() for n, p in fresh.named_parameters() if p.requires_grad}
+
             stop.check()
             data = None
             if index == 0:
@@ -511,6 +524,7 @@ def run_join(cfg: NodeConfig) -> int:
             runtime.stop_request = stop
             runtime.maddrs = maddrs
             runtime.reachability = reachability
+            runtime.base = frozen_base(stage)
             runtime.memory_estimate = mem[index]
             if resume_from is not None:
                 runtime.restore(resume_from)

@@ -86,6 +86,7 @@ class Lifecycle:
     reachability: str = "direct"
     reverser: Reverser | None = None  # behind NAT: the connections kept to those peers
     stop_request: StopRequest | None = None  # a signal that came while the node started (join)
+    base: str = ""  # the frozen base's dtype under LoRA (node.model.adapters.frozen_base), for the record
 
     def metrics_dict(self) -> dict:
         raise NotImplementedError
@@ -100,6 +101,7 @@ class Lifecycle:
             ready=ready,
             maddrs=self.maddrs,
             reach="reverse" if self.reachability == "nat" else "direct",
+            base=self.base,
         )
 
     async def publish(self, ready: bool = True, timeout: float | None = None) -> bool:

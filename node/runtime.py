@@ -237,6 +237,7 @@ class StageRuntime(Lifecycle):
             },
             "compute_s": self.compute.seconds,
             "device": str(self.compute.device),
+            "base": self.base,  # LoRA's frozen base: fp32 | bf16 | nf4 ("" under full fine-tuning)
             "links": m.links_list(),
             "peers": {str(s): sorted(r) for s, r in enumerate(self.routes)},
             "memory": {**process_memory(self.compute.device), "estimate": self.memory_estimate},

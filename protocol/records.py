@@ -187,6 +187,7 @@ class RunRecord:
 
 
 REACH = ("direct", "reverse")  # StageRecord.reach
+BASES = ("fp32", "bf16", "nf4")  # StageRecord.base: the frozen base of a LoRA stage
 
 
 @dataclass
@@ -203,6 +204,8 @@ class StageRecord:
     # how peers reach it: ``direct`` (they dial its maddrs) or ``reverse`` (behind NAT: it dials
     # the peers that call it and keeps those connections open; node.swarm.reverse)
     reach: str = "direct"
+    # what the frozen base is held in under LoRA (fp32 | bf16 | nf4); "" when every weight trains
+    base: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -227,8 +230,11 @@ class StageRecord:
                 "ready": bool,
                 "maddrs": list,
                 "reach": str,
+                "base": str,
             },
         )
+        if rec.base not in ("", *BASES):
+            raise RecordError(f"unknown base dtype {rec.base!r}")
         if rec.circuit not in ("fast", "anchor"):
             raise RecordError(f"unknown circuit {rec.circuit!r}")
         if rec.reach not in REACH:

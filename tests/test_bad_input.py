@@ -75,6 +75,14 @@ CASES = [
         {},
     ),
     ("keep-checkpoints-0", [*J, "--keep-checkpoints", "0"], ["--keep-checkpoints", "[1, 1000]"], {}),
+    # a frozen base's dtype means something under LoRA only
+    ("base-dtype-full", [*J, "--base-dtype", "nf4"], ["--base-dtype nf4", "--finetune lora"], {}),
+    (
+        "swarm-base-dtype-full",
+        ["swarm", "--base-dtype", "bf16"],
+        ["--base-dtype bf16", "--finetune lora"],
+        {},
+    ),
     ("swarm-max-inflight-0", ["swarm", "--max-inflight", "0"], ["--max-inflight", ">= 1"], {}),
     ("swarm-hop-timeout-0", ["swarm", "--hop-timeout", "0"], ["--hop-timeout", "> 0"], {}),
     ("swarm-eval-neg", ["swarm", "--eval", "-1"], ["--eval", ">= 0", "-1"], {}),

@@ -238,3 +238,105 @@ def test_bundled_model_split_lora_matches_whole_model_peft():
     with torch.no_grad():
         logits, _ = _pipeline_loss(stages, ids)
         assert (logits - ref(input_ids=ids).logits).abs().max() <= 1e-4
+
+
+def _qlora_reference(base, tmp_path):
+    """transformers' own 4-bit loading (BitsAndBytesConfig, NF4 with double quantization, fp32
+    compute) of the saved base, adapted by peft as a whole model with random nonzero adapters."""
+    from peft import get_peft_model
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+    from node.model.adapters import lora_config
+
+    base.save_pretrained(tmp_path / "base")
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    q = LlamaForCausalLM.from_pretrained(tmp_path / "base", quantization_config=quant, device_map="cpu")
+    ref = get_peft_model(q, lora_config(FT))
+    gen = torch.Generator().manual_seed(7)
+    values = {}
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+                values[name.replace("base_model.model.", "", 1).replace(".default", "")] = p.detach().clone()
+    return ref, values
+
+
+def test_nf4_base_split_pipeline_matches_transformers_qlora(tmp_path):
+    """--base-dtype nf4: each stage quantizes its own layers, and the split pipeline computes what
+    transformers' 4-bit model under whole-model peft computes (logits, adapter gradients)."""
+    from node.model.adapters import quantize_base
+
+    base = _base()
+    ref, values = _qlora_reference(base, tmp_path)
+    stages = _stages(base, RANGES, values)
+    fp32_logits, _ = _pipeline_loss(stages, torch.arange(12).view(1, 12))
+    quantized = [quantize_base(s, torch.float32) for s in stages]
+    assert quantized == [7, 14, 7]  # every projection of every layer, the adapters' base layers too
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(1))
+    logits, loss = _pipeline_loss(stages, ids)
+    want = ref(input_ids=ids).logits
+    assert (logits - want).abs().max() <= 1e-5
+    # and the quantization is real: 4-bit weights move the logits off the fp32 base's
+    nf4_logits, _ = _pipeline_loss(stages, torch.arange(12).view(1, 12))
+    assert (nf4_logits - fp32_logits).abs().max() > 1e-2
+    ref_loss = torch.nn.functional.cross_entropy(
+        want[:, :-1].reshape(-1, want.shape[-1]), ids[:, 1:].reshape(-1)
+    )
+    loss.backward()
+    ref_loss.backward()
+    ref_grads = {
+        n.replace("base_model.model.", "", 1).replace(".default", ""): p.grad
+        for n, p in ref.named_parameters()
+        if "lora_" in n
+    }
+    ours = {n: p.grad for s in stages for n, p in adapter_tensors(s).items()}
+    assert set(ours) == set(ref_grads)
+    assert max(float((ours[n] - ref_grads[n]).abs().max()) for n in ours) <= 1e-4
+    # the adapters are what trains; the 4-bit weights are frozen buffers of bytes
+    for s in stages:
+        assert {n for n, p in s.named_parameters() if p.requires_grad} == set(
+            n for n in dict(s.named_parameters()) if ".lora_" in n
+        )
+
+
+def test_the_estimate_counts_what_an_nf4_stage_holds():
+    """The bytes an NF4 stage's frozen base really holds (the packed weights, both levels of
+    absmax, the codebooks, and the norms in fp32) against the estimate's states for it."""
+    import bitsandbytes as bnb
+    from transformers import LlamaForCausalLM
+
+    from node.model.adapters import adapter_params, frozen_bytes_per_param, quantize_base
+    from node.model.devices import stage_memory_bytes
+    from node.model.loading import tiny_config
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(tiny_config(hidden=512, layers=2)).eval()
+    stage = build_stage(base, [[0, 2]], 0)
+    skeleton = copy.deepcopy(stage.layers)
+    n_params = sum(p.numel() for p in stage.layers.parameters())
+    predicted = adapter_params(stage.layers, FT)
+    add_adapters(stage, FT, 0)
+    quantize_base(stage, torch.float32)
+    held = 0
+    for m in stage.layers.modules():
+        for p in m.parameters(recurse=False):
+            if not p.requires_grad:
+                held += p.numel() * p.element_size()
+        if isinstance(m, bnb.nn.Linear4bit):  # not peft's wrapper, whose .weight is its base's
+            qs = m.weight.quant_state
+            held += sum(
+                t.numel() * t.element_size() for t in (qs.absmax, qs.code, qs.state2.absmax, qs.state2.code)
+            )
+    per = frozen_bytes_per_param(skeleton, n_params, "nf4", torch.device("cpu"))
+    est = stage_memory_bytes(
+        n_params, 2, 512, None, 1, 1, torch.device("cpu"), n_adapters=predicted, base_bytes=per
+    )
+    frozen_est = est["states"] - predicted * 16
+    assert abs(frozen_est - held) <= 0.01 * held, (frozen_est, held)
+    assert held < 0.16 * 4 * n_params  # 4-bit: under a sixth of the fp32 base

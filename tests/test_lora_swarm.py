@@ -25,6 +25,9 @@ def lora_swarm(tmp_path_factory):
         "--nodes", "4", "--stages", "2", "--steps", "30", "--model", MODEL, "--lr", "1e-2",
         "--finetune", "lora", "--lora-rank", str(RANK), "--lora-alpha", "32",
         "--outer-every", "6", "--powersgd-rank", "0", "--outer-timeout", "45", "--no-rebalance",
+        # QLoRA: the frozen base's linear weights in 4 bits (the fp32 base's pipeline is tested
+        # against whole-model peft in tests/test_lora.py; the nf4 one against transformers' too)
+        "--base-dtype", "nf4",
         timeout=500,
     )  # fmt: skip
     # exported from the nodes' checkpoints, as a user does after a run without --export (with it,
@@ -118,6 +121,23 @@ def test_checkpoints_hold_the_adapters_only(lora_swarm):
         assert ck.stage_state and all(".lora_" in n for n in ck.stage_state), sorted(ck.stage_state)[:3]
         assert ck.counters["finetune"]["mode"] == "lora"
     assert found >= 2  # the export read one per stage
+
+
+def test_every_node_held_its_base_in_nf4(lora_swarm):
+    """What each node loaded, as its stage record announces it, and what the estimate counted."""
+    rep, _ = lora_swarm
+    assert [m["base"] for m in rep["nodes"]] == ["nf4"] * 4
+    from node.model.loading import load_model
+    from node.model.stages import build_stage
+
+    for m in rep["nodes"]:
+        stage = build_stage(load_model(MODEL)[0], [[0, 1], [1, 2]], m["stage"])
+        layers = sum(p.numel() for p in stage.layers.parameters())
+        rest = sum(p.numel() for p in stage.parameters()) - layers
+        est = m["memory"]["estimate"]
+        frozen = est["states"] - 16 * est["trainable"]  # the adapters train in fp32 with grads and moments
+        # the layers' weights at ~0.52 B (their norms at 4 B), the embedding / lm_head at 4 B
+        assert 4 * rest + 0.5 * layers < frozen < 4 * rest + 0.6 * layers, (m["stage"], frozen, layers, rest)
 
 
 def test_the_report_measures_memory_against_the_estimate(lora_swarm):

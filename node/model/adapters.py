@@ -124,10 +124,85 @@ def cast_base(stage: nn.Module, dtype: torch.dtype) -> None:
 
 
 def base_dtype(choice: str, device: torch.device) -> torch.dtype:
-    """``--base-dtype``: auto = bf16 on CUDA (autocast computes in bf16 anyway), fp32 on the CPU."""
-    if choice == "bf16" or (choice == "auto" and device.type == "cuda"):
+    """``--base-dtype``: auto = bf16 on CUDA (autocast computes in bf16 anyway), fp32 on the CPU.
+    With nf4, the dtype of what stays unquantized (norms, embeddings, lm_head) and of the compute."""
+    if choice == "bf16" or (choice in ("auto", "nf4") and device.type == "cuda"):
         return torch.bfloat16
     return torch.float32
+
+
+# NF4 (QLoRA; Dettmers et al. 2023) as bitsandbytes stores it: 4 bits a weight, an 8-bit absmax per
+# block of 64 and an fp32 scale per 256 blocks of those ("double quantization"): 0.5 + 1/64 + 4/16384 B
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+
+
+def frozen_bytes_per_param(layers: nn.Module, n_params: int, choice: str, device: torch.device) -> float:
+    """Bytes per frozen parameter of a LoRA stage holding ``n_params`` in all, ``layers`` its decoder
+    layers (a meta skeleton will do), under ``--base-dtype choice``: with nf4 the layers' linear
+    weights at ``NF4_BYTES``, the rest (norms, embeddings, lm_head) at the compute dtype."""
+    plain = torch.finfo(base_dtype(choice, device)).bits // 8
+    if choice != "nf4":
+        return float(plain)
+    quantized = sum(m.weight.numel() for m in layers.modules() if type(m) is nn.Linear)
+    return (quantized * NF4_BYTES + (n_params - quantized) * plain) / max(n_params, 1)
+
+
+def nf4_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
+def quantize_base(stage: nn.Module, compute_dtype: torch.dtype) -> int:
+    """Every frozen linear layer of the stage's decoder layers (the adapters' base layers among them)
+    to NF4 (bitsandbytes ``Linear4bit``), computing in ``compute_dtype``; returns how many.
+
+    Embeddings and lm_head stay at ``compute_dtype`` (QLoRA's practice: they are a small share of a
+    large model and the logits are where quantization error costs most). The adapters stay fp32 on
+    top: peft's LoRA layer adds its update to whatever its base layer returns. Quantization is
+    deterministic per tensor, so every replica and any stage split holds the same base.
+    """
+    import bitsandbytes as bnb
+
+    count = 0
+    for parent in list(stage.layers.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or child.weight.requires_grad:
+                continue
+            device = child.weight.device
+            q = bnb.nn.Linear4bit(
+                child.in_features,
+                child.out_features,
+                bias=child.bias is not None,
+                compute_dtype=compute_dtype,
+                compress_statistics=True,
+                quant_type="nf4",
+                device="meta",
+            )
+            weight = child.weight.data.to(compute_dtype)
+            q.weight = bnb.nn.Params4bit(
+                weight, requires_grad=False, compress_statistics=True, quant_type="nf4"
+            )
+            if child.bias is not None:
+                q.bias = nn.Parameter(child.bias.data.to(compute_dtype), requires_grad=False)
+            setattr(parent, name, q.to(device))  # Params4bit quantizes as it moves to its device
+            count += 1
+    return count
+
+
+def frozen_base(stage: nn.Module) -> str:
+    """What the stage holds its frozen base in, as its stage record announces it: ``nf4``, ``bf16``
+    or ``fp32`` (its decoder layers' weights); "" when every weight trains (full fine-tuning)."""
+    kinds = set()
+    for m in stage.layers.modules():
+        if type(m).__name__ == "Linear4bit":
+            return "nf4"
+        w = getattr(m, "weight", None)
+        if isinstance(w, nn.Parameter) and not w.requires_grad:
+            kinds.add(w.dtype)
+    if not kinds:
+        return ""
+    return "bf16" if torch.bfloat16 in kinds else "fp32"
 
 
 def is_adapter(local_name: str) -> bool:

@@ -64,7 +64,7 @@ def stage_memory_bytes(
     device: torch.device,
     *,
     n_adapters: int | None = None,
-    base_bytes: int | None = None,
+    base_bytes: float | None = None,
     outer: bool = False,
     recompute: bool = False,
 ) -> dict[str, int]:
@@ -109,7 +109,7 @@ def stage_memory_bytes(
     else:
         activations = n_layers * live * per_layer
     activations += waiting + logits
-    states = frozen * base + trainable * 4 * weight_bytes
+    states = int(frozen * base) + trainable * 4 * weight_bytes
     # Measured beyond weights, grads and moments at a node's peak (tests/test_devices.py, a body
     # stage on the CPU with the node's allocator settings): 1.5-7 B per trained parameter, the
     # optimizer step's temporaries and the pages of the first step's moments; 4 B counted.

@@ -193,6 +193,7 @@ def build_state(
                     "device": m["device"] if m else "",
                     "memory": m["memory_rss"] if m else 0,
                     "reach": reach(r.maddrs, r.reach),
+                    "base": r.base,
                     "maddrs": r.maddrs[:3],
                 }
             )
