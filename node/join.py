@@ -164,7 +164,13 @@ def stage_memory(cfg: NodeConfig, run: RunRecord, model, device) -> list[dict[st
     """Memory estimate of every stage of the run on this node's device."""
     layers = model.model.layers
     lora = run.finetune.mode == "lora"
+    nf4 = lora and cfg.base_dtype == "nf4"
     outer = run.outer.every > 0 and run.dp.mode == "diloco" and cfg.circuit == "fast"
+    c = model.config
+    mlp = getattr(c, "intermediate_size", None)
+    heads = getattr(c, "num_attention_heads", None)
+    head_dim = getattr(c, "head_dim", None) or (c.hidden_size // heads if heads else None)
+    kv = head_dim * getattr(c, "num_key_value_heads", heads) if head_dim else None
     out = []
     for i, (start, end) in enumerate(run.stages):
         n = sum(p.numel() for layer in layers[start:end] for p in layer.parameters())
@@ -188,6 +194,10 @@ def stage_memory(cfg: NodeConfig, run: RunRecord, model, device) -> list[dict[st
                 base_bytes=frozen,
                 outer=outer,
                 recompute=cfg.recompute_layers,
+                mlp=mlp,
+                kv=kv,
+                # an NF4 stage is read on the host at its compute dtype, then quantized onto the device
+                staged=n * torch.finfo(base_dtype("nf4", device)).bits // 8 if nf4 else 0,
             )
         )
     return out
@@ -453,15 +463,21 @@ def run_join(cfg: NodeConfig) -> int:
                     # links use, for the launcher's report
                     json.dump({"peer_id": peer_id, "maddrs": maddrs, "stage": index, "codec": run.codec}, f)
                 os.replace(cfg.ready_file + ".tmp", cfg.ready_file)
-            stage = source.load_stage(run.stages, index, device)
-            stage.recompute = cfg.recompute_layers
             if run.finetune.mode == "lora":
+                # the base read at its own dtype (never an fp32 copy of a bf16 base on the GPU); an
+                # NF4 one on the host first, its linear weights moved to the device as they are quantized
+                compute, nf4 = base_dtype(cfg.base_dtype, device), cfg.base_dtype == "nf4"
+                stage = source.load_stage(run.stages, index, torch.device("cpu") if nf4 else device, compute)
                 n = add_adapters(stage, run.finetune, run.seed)
-                cast_base(stage, base_dtype(cfg.base_dtype, device))
-                if cfg.base_dtype == "nf4":
-                    quantize_base(stage, base_dtype(cfg.base_dtype, device))
+                cast_base(stage, compute)
+                if nf4:
+                    quantize_base(stage, compute, device)
+                    stage.to(device)
                 trained = sum(p.numel() for p in stage.parameters() if p.requires_grad)
                 log.info("stage %d: %d LoRA adapters (%d trainable parameters)", index, n, trained)
+            else:
+                stage = source.load_stage(run.stages, index, device)
+            stage.recompute = cfg.recompute_layers
 
             def starting_weights() -> dict[str, torch.Tensor]:
                 """The stage's trained tensors as loaded above, before any step (on the CPU, in fp32)."""

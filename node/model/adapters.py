@@ -93,6 +93,10 @@ def add_adapters(stage: nn.Module, ft: FinetuneSettings, run_seed: int) -> int:
         for name, module in stage.named_modules():
             if not isinstance(module, LoraLayer) or ADAPTER not in module.lora_A:
                 continue
+            # fp32 over any base (peft gives a bf16 base bf16 adapters): AdamW needs it, and the seeded
+            # values must be the same on every node, whatever base dtype each one holds
+            module.lora_A[ADAPTER].float()
+            module.lora_B[ADAPTER].float()
             a, b = module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight
             gen = torch.Generator().manual_seed(_seed_of(run_seed, whole_model_name(name, stage.start)))
             # peft's own init of A (kaiming-uniform, a = sqrt(5)), from our generator
@@ -153,14 +157,16 @@ def nf4_available() -> bool:
     return importlib.util.find_spec("bitsandbytes") is not None
 
 
-def quantize_base(stage: nn.Module, compute_dtype: torch.dtype) -> int:
+def quantize_base(stage: nn.Module, compute_dtype: torch.dtype, device: torch.device | None = None) -> int:
     """Every frozen linear layer of the stage's decoder layers (the adapters' base layers among them)
     to NF4 (bitsandbytes ``Linear4bit``), computing in ``compute_dtype``; returns how many.
 
     Embeddings and lm_head stay at ``compute_dtype`` (QLoRA's practice: they are a small share of a
     large model and the logits are where quantization error costs most). The adapters stay fp32 on
     top: peft's LoRA layer adds its update to whatever its base layer returns. Quantization is
-    deterministic per tensor, so every replica and any stage split holds the same base.
+    deterministic per tensor, so every replica and any stage split holds the same base. With
+    ``device``, each quantized layer is moved there as it is made (a stage read on the host reaches
+    the GPU one layer at a time, never whole at its compute dtype).
     """
     import bitsandbytes as bnb
 
@@ -169,7 +175,7 @@ def quantize_base(stage: nn.Module, compute_dtype: torch.dtype) -> int:
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or child.weight.requires_grad:
                 continue
-            device = child.weight.device
+            target = device or child.weight.device
             q = bnb.nn.Linear4bit(
                 child.in_features,
                 child.out_features,
@@ -185,7 +191,8 @@ def quantize_base(stage: nn.Module, compute_dtype: torch.dtype) -> int:
             )
             if child.bias is not None:
                 q.bias = nn.Parameter(child.bias.data.to(compute_dtype), requires_grad=False)
-            setattr(parent, name, q.to(device))  # Params4bit quantizes as it moves to its device
+            setattr(parent, name, q.to(target))  # Params4bit quantizes as it moves to its device
+            del child, weight
             count += 1
     return count
 
