@@ -24,7 +24,7 @@ model: setup
 	$(PY) -m node prepare-model
 
 demo: model
-	$(PY) -m node swarm --nodes 3 --stages 2 --steps 40 --eval 20 --export runs/demo/model --report runs/demo
+	$(PY) -m node swarm --nodes 3 --stages 2 --steps 40 --finetune lora --lr 1e-3 --eval 20 --export runs/demo/model --report runs/demo
 
 # two workers, a test file each at a time: most swarm tests wait on heartbeats and p2pd more than
 # they compute, so two files side by side fit two cores (14.6 -> 11.2 min on 2 cores); a file's
