@@ -94,10 +94,11 @@ def test_a_failure_note_is_cleared_by_the_next_save_and_read_by_export(tmp_path)
 def test_an_export_that_does_not_fit_is_refused_before_a_byte(tmp_path, monkeypatch):
     from node.swarm.export import ExportError, write_export
 
-    model = torch.nn.Linear(1024, 1024)  # 4 MB
+    written = []
     _free(monkeypatch, 1 << 20)
     with pytest.raises(ExportError, match=r"the export to .*out needs 21.0 MB in .*, 1.0 MB free there") as e:
-        write_export(tmp_path / "out", model, None, {})
+        write_export(tmp_path / "out", written.append, 1024 * 1025 * 4, None, {})  # a 4 MB model
+    assert written == []  # refused before the writer ran
     assert "\n" not in str(e.value) and list(tmp_path.iterdir()) == []
 
 

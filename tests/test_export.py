@@ -7,7 +7,6 @@ both exports tensor by tensor and the exported model's logits with the pipeline'
 """
 
 import asyncio
-import copy
 import json
 import os
 import signal
@@ -27,9 +26,9 @@ from node.swarm.export import (
     EXPORT_JSON,
     ExportError,
     StagePart,
-    build_model,
     export_from_checkpoints,
     pull_stage,
+    write_stages,
 )
 from tests.conftest import run_swarm, wait_for
 
@@ -53,6 +52,16 @@ def stages_from_checkpoints(model_spec: str, ranges, stage_dirs) -> list:
         s.load_state_dict(load_latest(d).stage_state)
         stages.append(s.eval())
     return stages
+
+
+def exported_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an exported (sharded) checkpoint, by name."""
+    out = {}
+    for shard in sorted(
+        set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values())
+    ):
+        out.update(load_file(str(path / shard)))
+    return out
 
 
 def _hf_logits(path, ids):
@@ -116,7 +125,7 @@ def test_export_from_checkpoints_and_live_peers_equal_the_pipeline(tmp_path):
         live_out = tmp_path / "from-peers"
         p = _export("--peers", peer, "--run-id", run_id, "--out", str(live_out))
         assert p.returncode == 0, p.stderr[-2000:]
-        a, b = load_file(str(ck_out / "model.safetensors")), load_file(str(live_out / "model.safetensors"))
+        a, b = exported_tensors(ck_out), exported_tensors(live_out)
         assert a.keys() == b.keys()
         assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
         live_info = json.loads((live_out / EXPORT_JSON).read_text())
@@ -187,8 +196,10 @@ def tiny_ckpts(tmp_path):
     return stages, h, tmp_path
 
 
-def test_tied_embeddings_export_tied_when_equal_and_untied_when_not():
-    from transformers import LlamaForCausalLM
+def test_tied_embeddings_export_tied_when_equal_and_untied_when_not(tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from node.model.loading import ModelSource
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_config(tie=True)).eval()
@@ -202,8 +213,12 @@ def test_tied_embeddings_export_tied_when_equal_and_untied_when_not():
         parts = [
             StagePart(i, *ranges[i], 1, dict(s.named_parameters()), "test") for i, s in enumerate(stages)
         ]
-        out, tied = build_model(parts, copy.deepcopy(model))
+        path = tmp_path / str(differ)
+        path.mkdir()
+        tied = write_stages(path, parts, ModelSource("tiny", model.config, model=model), None)
+        out = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         assert tied is not differ and out.config.tie_word_embeddings is not differ
+        assert ("lm_head.weight" in exported_tensors(path)) is differ  # a tied model stores it once
         shared = out.lm_head.weight.data_ptr() == out.model.embed_tokens.weight.data_ptr()
         assert shared is not differ
         with torch.no_grad():
@@ -242,7 +257,7 @@ def test_interrupted_export_leaves_no_directory(tiny_ckpts, monkeypatch):
 
     def interrupt(src, dst):  # Ctrl-C with everything written, just before the rename into place
         if Path(src).name.startswith(".out.tmp-"):
-            assert (Path(src) / "model.safetensors").exists()
+            assert (Path(src) / "model.safetensors.index.json").exists()
             raise KeyboardInterrupt
         rename(src, dst)
 
@@ -365,3 +380,61 @@ def test_bundled_export_equals_the_pipeline(tmp_path):
     ids = torch.randint(0, 49152, (1, 32), generator=torch.Generator().manual_seed(0))
     want = pipeline_logits(stages_from_checkpoints("bundled", ranges, dirs), ids)
     assert (_hf_logits(out, ids) - want).abs().max() <= 1e-5
+
+
+_EXPORT_PEAK = """
+import sys, torch
+from pathlib import Path
+from node.model.adapters import add_adapters, adapter_tensors
+from node.model.loading import open_model
+from node.model.stages import build_stage, default_stage_ranges
+from node.swarm.export import StagePart, write_stages
+from protocol.settings import FinetuneSettings
+ckpt, out, n_stages = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+ft = FinetuneSettings(mode="lora", rank=4)
+source = open_model(str(ckpt))
+ranges = default_stage_ranges(source.skeleton, n_stages)
+parts = []
+for i, (a, b) in enumerate(ranges):  # adapters only, as a LoRA run's checkpoints hold them
+    stage = build_stage(source._meta_model(), ranges, i)  # shapes only
+    add_adapters(stage, ft, 0)
+    named = {n: torch.full(p.shape, 0.01) for n, p in stage.named_parameters() if ".lora_" in n}
+    parts.append(StagePart(i, a, b, 1, named, "test"))
+    del stage
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
+base = rss()
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak from here on: the export's
+write_stages(out, parts, source, ft, shard_bytes=8 << 20)
+peak = next(int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith("VmHWM"))
+print(peak - base)
+"""
+
+
+def test_a_lora_export_holds_one_stage_of_the_base_at_a_time(tmp_path):
+    """The merged checkpoint is written stage by stage from the model's files: the export's peak
+    memory is about one stage of the fp32 base, not the whole model (which it used to load, and
+    then clone, before merging)."""
+    from transformers import LlamaConfig
+
+    from bench.stage_memory import write_random_checkpoint
+
+    config = LlamaConfig(
+        vocab_size=8000, hidden_size=512, intermediate_size=1536, num_hidden_layers=12,
+        num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False,
+    )  # fmt: skip
+    model_bytes = write_random_checkpoint(tmp_path / "base", config, shard_bytes=64 << 20)
+    (tmp_path / "out").mkdir()
+    p = subprocess.run(
+        [sys.executable, "-c", _EXPORT_PEAK, str(tmp_path / "base"), str(tmp_path / "out"), "12"],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    peak = int(p.stdout.split()[-1])
+    # 12 stages of a layer each (13 MB; the head and tail with their 16 MB embeddings): the largest
+    # stage read (its file's pages count while they are mapped: twice a stage) and merged, and one
+    # shard's write, within half the model; loading the whole base was more than all of it
+    assert peak < model_bytes / 2, (peak >> 20, model_bytes >> 20)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)  # a whole, loadable model

@@ -10,9 +10,11 @@ Two sources of the stages' weights:
   counts in stage order.
 
 The stage-local names (``layers.j.*`` of stage [start, end), ``embed_tokens``, ``norm``,
-``lm_head``) map onto the whole model's names; the result loads into the run's base model
-(which fixes config, tokenizer and generation config, and whose content hash must match the
-run's), is written to a hidden temporary directory next to ``--out`` and renamed into place,
+``lm_head``) map onto the whole model's names. The checkpoint is written one stage at a time
+(``write_stages``: a LoRA stage's base is read from the model's files for that stage alone and the
+adapters merged onto it), in shards with an index, so the export never holds the whole model; the
+run's base model fixes config, tokenizer and generation config, and its content hash must match
+the run's. It is written to a hidden temporary directory next to ``--out`` and renamed into place,
 so ``--out`` is either absent or complete. ``swarm_export.json`` in it names the run and
 each stage's inner step.
 
@@ -27,6 +29,7 @@ the atomic Hugging Face directory writer.)
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import os
@@ -52,7 +55,7 @@ from node.model.checkpoint import (
     list_checkpoints,
     load_checkpoint,
 )
-from node.model.loading import BUNDLED, BUNDLED_NAME, open_model
+from node.model.loading import BUNDLED, BUNDLED_NAME, ModelSource, open_model
 from node.net.rpc import open_stream
 from node.net.transport import close_quietly
 from node.net.wire import Wire
@@ -89,7 +92,6 @@ class StagePart:
 
 @dataclass
 class Assembled:
-    model: torch.nn.Module
     tokenizer: object | None
     tied: bool
     info: dict = field(default_factory=dict)
@@ -118,68 +120,153 @@ def adapters_of(parts: list[StagePart]) -> dict[str, torch.Tensor]:
     return {k: v for p in parts for k, v in by_whole_name(p.tensors, p.start).items()}
 
 
-def assemble_state(
-    parts: list[StagePart], base: torch.nn.Module, finetune: FinetuneSettings | None = None
-) -> tuple[dict[str, torch.Tensor], bool]:
-    """The whole model's state dict from the stages, and whether embeddings stay tied.
+def _digest(t: torch.Tensor) -> str:
+    import hashlib
 
-    A LoRA run's stages hold their adapters only: the base under them is the run's base (its
-    content hash was checked when it was loaded), and the adapters are merged onto it.
-    Raises ExportError naming a missing stage or tensor, or a shape that does not fit.
+    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def stage_state(
+    part: StagePart, source: ModelSource, ranges: list[list[int]], finetune
+) -> dict[str, torch.Tensor]:
+    """Stage ``part``'s tensors of the exported model, in fp32 under whole-model names.
+
+    A full fine-tuning stage holds all its tensors; a LoRA stage holds its adapters only, and they
+    are merged onto its base, read from the model's files for this stage alone. Raises ExportError
+    naming a tensor the stage lacks, one the model does not have, or a shape that does not fit.
     """
-    want = base.state_dict()
-    tie_config = bool(getattr(base.config, "tie_word_embeddings", False))
+    from node.model.stages import build_stage
+
+    want = dict(build_stage(source._meta_model(), ranges, part.index).named_parameters())
+    adapters = by_whole_name(part.tensors, part.start)
     out: dict[str, torch.Tensor] = {}
-    adapters = adapters_of(parts)
     if adapters:
-        layers = base.config.num_hidden_layers
-        spans = sorted((p.start, p.end) for p in parts)
-        if spans[0][0] != 0 or spans[-1][1] != layers or any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
-            raise ExportError(
-                f"the stages' layers {spans} do not cover the model's {layers}; a stage is missing"
-            )
         if finetune is None or finetune.mode != "lora":
             raise ExportError("the stages hold LoRA adapters but the run names no LoRA settings")
-        out = {k: v.detach().to(torch.float32).cpu().clone() for k, v in want.items()}
-    for part in parts:
-        for name, t in part.tensors.items():
-            if is_adapter(name):
-                continue
-            g = global_name(name, part.start)
-            if g not in want:
-                raise ExportError(f"stage {part.index} holds {name!r}, which the run's model does not have")
-            if tuple(t.shape) != tuple(want[g].shape):
-                raise ExportError(
-                    f"stage {part.index}: {name} has shape {list(t.shape)}, the model {list(want[g].shape)}"
-                )
-            out[g] = t.detach().to(torch.float32).cpu()
+        base = source.load_stage(ranges, part.index, torch.device("cpu"), torch.float32)
+        out = {global_name(n, part.start): p.detach() for n, p in base.named_parameters()}
+        del base
+    for name, t in part.tensors.items():
+        if is_adapter(name):
+            continue
+        if name not in want:
+            raise ExportError(f"stage {part.index} holds {name!r}, which the run's model does not have")
+        if tuple(t.shape) != tuple(want[name].shape):
+            raise ExportError(
+                f"stage {part.index}: {name} has shape {list(t.shape)}, the model {list(want[name].shape)}"
+            )
+        out[global_name(name, part.start)] = t.detach().to(torch.float32).cpu()
     if adapters:
         try:
             merge_into(out, adapters, finetune)
         except AdapterError as e:
             raise ExportError(f"cannot merge the adapters: {e}") from None
-    if tie_config and EMBED in out and HEAD not in out:
-        out[HEAD] = out[EMBED]  # a one-stage run trains the single shared tensor
-    tied = tie_config and torch.equal(out.get(EMBED, torch.empty(0)), out.get(HEAD, torch.empty(1)))
-    missing = sorted(set(want) - set(out))
+    missing = sorted({global_name(n, part.start) for n in want} - set(out))
     if missing:
         raise ExportError(
-            f"the stages lack {len(missing)} tensors of the model (first: {missing[0]}); a stage is "
-            "missing or was split differently"
+            f"stage {part.index} lacks {len(missing)} tensors of the model (first: {missing[0]}); a stage "
+            "is missing or was split differently"
         )
-    return out, tied
+    return out
 
 
-def build_model(
-    parts: list[StagePart], base: torch.nn.Module, finetune: FinetuneSettings | None = None
-) -> tuple[torch.nn.Module, bool]:
-    """``base`` with the stages' weights loaded (untied when the head's and tail's copies differ)."""
-    state, tied = assemble_state(parts, base, finetune)
-    if getattr(base.config, "tie_word_embeddings", False) and not tied:
-        base.config.tie_word_embeddings = False
-        base.lm_head.weight = torch.nn.Parameter(state[HEAD].clone())
-    base.load_state_dict(state, strict=True)
-    return base.float().eval(), tied
+def check_cover(parts: list[StagePart], layers: int) -> None:
+    spans = sorted((p.start, p.end) for p in parts)
+    if spans[0][0] != 0 or spans[-1][1] != layers or any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
+        raise ExportError(f"the stages' layers {spans} do not cover the model's {layers}; a stage is missing")
+
+
+SHARD_BYTES = 1 << 30  # the exported checkpoint's shards: a stage's tensors in files of at most this
+
+
+def _plan_shards(
+    parts: list[StagePart], source: ModelSource, shard_bytes: int
+) -> list[tuple[int, list[str]]]:
+    """(stage index, whole-model tensor names) of every shard, in order: a stage's tensors in files
+    of at most ``shard_bytes`` (safetensors serialises a file in memory, so a shard bounds that copy)."""
+    from node.model.stages import build_stage
+
+    ranges = [[p.start, p.end] for p in parts]
+    plan: list[tuple[int, list[str]]] = []
+    for part in parts:
+        meta = build_stage(source._meta_model(), ranges, part.index)
+        size = 0
+        plan.append((part.index, []))
+        for name, t in meta.named_parameters():
+            n = t.numel() * 4
+            if size and size + n > shard_bytes:
+                plan.append((part.index, []))
+                size = 0
+            plan[-1][1].append(global_name(name, part.start))
+            size += n
+    return plan
+
+
+def write_stages(
+    path: Path, parts: list[StagePart], source: ModelSource, finetune, shard_bytes: int = SHARD_BYTES
+) -> bool:
+    """The merged model into ``path`` as a sharded Hugging Face checkpoint, one stage at a time (its
+    tensors in shards of at most ``shard_bytes``), so at most one stage is in memory, never the whole
+    base in fp32; with its index, config and generation config. Returns whether the embeddings stay tied.
+
+    Tied embeddings: a model that ties ``embed_tokens`` and ``lm_head`` trains one copy on the
+    head and one on the tail; equal copies export tied (lm_head not stored), different ones untied.
+    """
+    from safetensors.torch import save_file
+
+    config = copy.deepcopy(source.config)
+    tie_config = bool(getattr(config, "tie_word_embeddings", False))
+    check_cover(parts, config.num_hidden_layers)
+    parts = sorted(parts, key=lambda p: p.index)
+    ranges = [[p.start, p.end] for p in parts]
+    plan = _plan_shards(parts, source, shard_bytes)
+    weight_map: dict[str, str] = {}
+    total, embed, tied = 0, None, tie_config
+    for part in parts:
+        state = stage_state(part, source, ranges, finetune)
+        if tie_config:
+            if EMBED in state:
+                embed = _digest(state[EMBED])
+            if HEAD in state:
+                if embed is not None and _digest(state[HEAD]) == embed:
+                    del state[HEAD]  # the same tensor as the embedding: stored once, as a tied model is
+                else:
+                    tied = False
+        for j, (index, names) in enumerate(plan):
+            shard = {n: state.pop(n).contiguous() for n in names if index == part.index and n in state}
+            if not shard:
+                continue
+            file = f"model-{j + 1:05d}-of-{len(plan):05d}.safetensors"
+            save_file(shard, str(path / file), metadata={"format": "pt"})
+            total += sum(t.numel() * t.element_size() for t in shard.values())
+            weight_map.update(dict.fromkeys(shard, file))
+            del shard
+        if state:
+            raise ExportError(
+                f"stage {part.index} holds tensors the model has no place for: {sorted(state)[:3]}"
+            )
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=1
+        )
+    )
+    if tie_config:
+        config.tie_word_embeddings = tied
+    config.dtype = torch.float32
+    config.save_pretrained(path)
+    gen = source.path / "generation_config.json" if source.path is not None else None
+    if gen is not None and gen.exists():
+        shutil.copy(gen, path / "generation_config.json")
+    else:
+        from transformers import GenerationConfig
+
+        GenerationConfig.from_model_config(config).save_pretrained(path)
+    return tied
+
+
+def export_bytes(source: ModelSource) -> int:
+    """The fp32 bytes of the exported model (the free-space check before the first byte)."""
+    return sum(p.numel() * 4 for p in source.skeleton.parameters())
 
 
 # ---------------------------------------------------------------------- writing
@@ -198,13 +285,15 @@ def _clean_stale(out: Path) -> None:
 
 def write_export(
     out: str | os.PathLike,
-    model: torch.nn.Module,
+    write: Callable[[Path], None],
+    weights: int,
     tokenizer,
     info: dict,
     replace: bool = False,
     adapter: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write the HF checkpoint into a hidden temporary sibling of ``out``, then rename it into place.
+    """Write the HF checkpoint (``write(dir)``, ``weights`` bytes) into a hidden temporary sibling of
+    ``out``, then rename it into place.
 
     Any exception (an interrupt included) removes the temporary directory.
     """
@@ -214,7 +303,6 @@ def write_export(
     out.parent.mkdir(parents=True, exist_ok=True)
     _clean_stale(out)
     # the whole export must fit before the first byte: a full disk would leave only a stack trace
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     try:
         check_free_space(
             out.parent,
@@ -228,7 +316,7 @@ def write_export(
     old = out.with_name(f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
     tmp.mkdir()
     try:
-        model.save_pretrained(tmp)
+        write(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / EXPORT_JSON).write_text(json.dumps(info, indent=1))
@@ -260,7 +348,8 @@ def model_spec(run_model_name: str) -> str | None:
 
 
 def load_base(spec: str, seed: int, ranges: list[list[int]], want_hash: str, what: str):
-    """(whole model, tokenizer) of ``spec``, whose run hash over ``ranges`` must be the run's."""
+    """(source, tokenizer) of ``spec``, whose run hash over ``ranges`` must be the run's (no weight is
+    loaded: export reads each stage's base from it as it writes that stage)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # ours is the transfer's; transformers' load/save bars are noise
@@ -271,7 +360,7 @@ def load_base(spec: str, seed: int, ranges: list[list[int]], want_hash: str, wha
             f"--model {spec} ({source.name}, hash {got[:12]}) is not the model {what} trains (hash "
             f"{want_hash[:12]}); pass the same --model (and --seed for tiny models) as the swarm"
         )
-    return source.load_whole(), source.tokenizer()
+    return source, source.tokenizer()
 
 
 # ---------------------------------------------------------------------- from checkpoints
@@ -516,7 +605,7 @@ def export_from_peers(
             async def pull() -> list[StagePart]:
                 p2p = await dht.replicate_p2p()
                 v = _Visitor(p2p, Wire(key), run.run_id)
-                return await _pull_all(v, run, routes, stage_bytes(base, run.stages), timeout)
+                return await _pull_all(v, run, routes, stage_bytes(base.skeleton, run.stages), timeout)
 
             parts = asyncio.run(pull())
     except JoinError as e:
@@ -544,17 +633,20 @@ def export_from_checkpoints(
     return _finish(out, parts, base, tok, run, "checkpoints", replace)
 
 
-def _finish(out, parts, base, tok, run: dict, source: str, replace: bool) -> Assembled:
+def _finish(out, parts, base: ModelSource, tok, run: dict, source: str, replace: bool) -> Assembled:
     tie_config = bool(getattr(base.config, "tie_word_embeddings", False))
     finetune = run.get("finetune") or FinetuneSettings()
     adapters = adapters_of(parts)
-    model, tied = build_model(parts, base, finetune)
+    tied = tie_config
+
+    def write(path: Path) -> None:
+        nonlocal tied
+        tied = write_stages(path, parts, base, finetune)
+
     info = {
         "run_id": run["run_id"],
         "base_model_hash": run["model_hash"],
         "source": source,
-        # "untied": the base model ties them, but the head's and the tail's copies trained apart
-        "embeddings": "tied" if tied else "untied" if tie_config else "separate",
         "stages": [
             {"index": p.index, "layers": [p.start, p.end], "inner_step": p.step, "from": p.source}
             for p in parts
@@ -569,5 +661,10 @@ def _finish(out, parts, base, tok, run: dict, source: str, replace: bool) -> Ass
         def adapter(path: Path) -> None:
             save_peft_adapter(path, adapters, finetune, str(getattr(base.config, "_name_or_path", "") or ""))
 
-    write_export(out, model, tok, info, replace=replace, adapter=adapter)
-    return Assembled(model, tok, tied, info)
+    def write_all(path: Path) -> None:
+        write(path)
+        # "untied": the base model ties them, but the head's and the tail's copies trained apart
+        info["embeddings"] = "tied" if tied else "untied" if tie_config else "separate"
+
+    write_export(out, write_all, export_bytes(base), tok, info, replace=replace, adapter=adapter)
+    return Assembled(tok, tied, info)
