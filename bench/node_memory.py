@@ -30,6 +30,7 @@ from pathlib import Path
 
 from bench.stage_memory import big_config, write_random_checkpoint
 from node.local.memory import PeakMemory
+from node.model.devices import AVERAGER_BYTES
 
 STAGES = [0, 1, 2, 2, 3]
 GB = 1e9
@@ -42,7 +43,7 @@ def _join(
     cmd = [sys.executable, "-m", "node", "join", "--model", str(ckpt), "--stages", "4", "--stage", str(stage)]
     cmd += ["--run-id", run_id, "--state-dir", str(d), "--metrics-file", str(d / "metrics.json")]
     cmd += ["--ready-file", str(d / "ready.json"), "--threads", "1", "--heartbeat", "1", "--codec", "dense"]
-    cmd += ["--wait-peers", str(len(STAGES)), "--outer-every", "5", "--checkpoint-every", "1000", *extra]
+    cmd += ["--wait-peers", str(len(STAGES)), "--outer-every", "5", "--checkpoint-every", "5", *extra]
     cmd += ["--peers", *peers] if peers else []
     log = open(d / "node.log", "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -59,8 +60,18 @@ def _committed(m: dict) -> int:
     return len([r for r in m.get("outer_rounds", []) if not r["skipped"] and r["group_size"] == 2])
 
 
-def run_mode(ckpt: Path, work: Path, mode: str, timeout: float) -> list[dict]:
-    extra = ["--finetune", "lora", "--lr", "1e-3"] if mode == "lora" else []
+def write_long_text(path: Path, n: int = 2000, seed: int = 0) -> None:
+    """Plain-text examples longer than the run's 64-token sequences: every microbatch fills its
+    8 x 64 padded tokens, the frame the estimate sizes activations by."""
+    import random
+
+    rng = random.Random(seed)
+    words = ["node", "stage", "swarm", "peer", "round", "token", "layer", "link", "home", "gpu"]
+    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(40)) for _ in range(n)) + "\n")
+
+
+def run_mode(ckpt: Path, work: Path, mode: str, timeout: float, data: list[str]) -> list[dict]:
+    extra = (["--finetune", "lora", "--lr", "1e-3"] if mode == "lora" else []) + data
     run_id = f"mem-{mode}-{int(time.time())}"
     dirs = [work / mode / str(i) for i in range(len(STAGES))]
     procs: list[subprocess.Popen] = []
@@ -89,7 +100,7 @@ def run_mode(ckpt: Path, work: Path, mode: str, timeout: float) -> list[dict]:
                 raise RuntimeError(f"a node died: see the node.log files under {work / mode}")
             if time.monotonic() - t0 > timeout:
                 raise RuntimeError(f"stage 2's replicas did not commit 2 rounds within {timeout:.0f}s")
-            time.sleep(2)
+            time.sleep(1)
     finally:
         for p in procs:  # the head first, so no node loses the peers its in-flight work needs
             if p.poll() is None:
@@ -104,10 +115,14 @@ def run_mode(ckpt: Path, work: Path, mode: str, timeout: float) -> list[dict]:
     for i, (d, s) in enumerate(zip(dirs, STAGES)):
         m = _read(d / "metrics.json") or {}
         est = m.get("memory", {}).get("estimate") or {}
+        # a lone replica holds no outer state until a partner comes (node.dp.deferred); its estimate
+        # counts it all the same, as what it needs then: without it, a checkpoint's 12 B / parameter
+        lone = est.get("total", 0) + 12 * est.get("trainable", 0) + est.get("runtime", 0) - AVERAGER_BYTES
         rows.append({
             "mode": mode, "node": i, "stage": s, "replica": STAGES.count(s) > 1,
             "estimate": est.get("total", 0) + est.get("host", 0), "device_estimate": est.get("total", 0),
             "host_estimate": est.get("host", 0), "measured_pss": peaks[i] if i < len(peaks) else 0,
+            "estimate_alone": lone if STAGES.count(s) == 1 else None,
             "peak_rss_node_process": m.get("memory", {}).get("peak_rss", 0),
             "committed_rounds": _committed(m), "inner_step": m.get("inner_step", 0),
         })  # fmt: skip
@@ -120,33 +135,50 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=20)
     p.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora"])
     p.add_argument("--timeout", type=float, default=1200)
+    p.add_argument(
+        "--data",
+        choices=["full-frames", "arithmetic"],
+        default="full-frames",
+        help="full-frames: long text, every microbatch at its padded 512 tokens (the estimate's case); "
+        "arithmetic: the built-in task's ~136-token microbatches",
+    )
     a = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="node-memory-"))
     try:
         size = write_random_checkpoint(work / "ckpt", big_config(a.layers), seed=0)
         print(f"checkpoint: {size / GB:.2f} GB in {work / 'ckpt'}", flush=True)
-        rows = [r for mode in a.modes for r in run_mode(work / "ckpt", work, mode, a.timeout)]
+        data = []
+        if a.data == "full-frames":
+            write_long_text(work / "long.txt")
+            data = ["--data", str(work / "long.txt")]
+        rows = [r for mode in a.modes for r in run_mode(work / "ckpt", work, mode, a.timeout, data)]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     out = Path(a.out)
     (out / "node_memory.json").write_text(json.dumps({"checkpoint_bytes": size, "rows": rows}, indent=1))
     lines = [
         "",
-        f"## Whole nodes against their estimate: a {size / GB:.2f} GB Llama in 4 stages, stage 2 replicated",
+        f"## Whole nodes against their estimate: a {size / GB:.2f} GB Llama in 4 stages, stage 2 replicated"
+        f" ({a.data} data)",
         "",
-        "`python -m bench.node_memory --out bench/results` (issue 32; 2-core CPU machine, fp32,",
-        "`--codec dense`, DiLoCo every 5 steps, until stage 2's two replicas committed 2 rounds together).",
-        "Estimate = what the node printed at start (device + host: one RAM on a CPU); measured = the peak",
-        "PSS of the node's process tree (node, DHT process, p2pd, averager helper), sampled every 2 s.",
+        f"`python -m bench.node_memory --data {a.data} --out bench/results` (issue 32; 2-core CPU machine,",
+        "fp32, `--codec dense`, DiLoCo and a checkpoint every 5 steps, until stage 2's two replicas",
+        "committed 2 rounds together). Estimate = what the node printed at start (device + host: one RAM",
+        "on a CPU); alone = the same without the outer state a lone stage builds only when a partner",
+        "comes; measured = the peak PSS of the node's process tree (node, DHT process, p2pd, averager",
+        "helper), sampled every 1 s.",
         "",
-        "| fine-tuning | node | stage | estimate GB | measured GB | measured / estimate | rounds | steps |",
-        "|---|---|---|---|---|---|---|---|",
+        "| fine-tuning | node | stage | estimate GB | alone GB | measured GB | measured / estimate | rounds |"
+        " steps |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = r["measured_pss"] / r["estimate"] if r["estimate"] else float("nan")
+        alone = "-" if r["estimate_alone"] is None else f"{r['estimate_alone'] / GB:.2f}"
         lines.append(
             f"| {r['mode']} | {r['node']} | {r['stage']}{' (replica)' if r['replica'] else ''} | "
-            f"{r['estimate'] / GB:.2f} | {r['measured_pss'] / GB:.2f} | {ratio:.2f} | "
+            f"{r['estimate'] / GB:.2f} | {alone} | "
+            f"{r['measured_pss'] / GB:.2f} | {ratio:.2f} | "
             f"{r['committed_rounds']} | {r['inner_step']} |"
         )
     text = "\n".join(lines) + "\n"
