@@ -44,6 +44,7 @@ def _join(
     cmd += ["--run-id", run_id, "--state-dir", str(d), "--metrics-file", str(d / "metrics.json")]
     cmd += ["--ready-file", str(d / "ready.json"), "--threads", "1", "--heartbeat", "1", "--codec", "dense"]
     cmd += ["--wait-peers", str(len(STAGES)), "--outer-every", "5", "--checkpoint-every", "5", *extra]
+    cmd += ["--outer-timeout", "45"]  # five nodes of a 1.6 GB model share 2 cores: rounds are slow
     cmd += ["--peers", *peers] if peers else []
     log = open(d / "node.log", "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -98,8 +99,11 @@ def run_mode(ckpt: Path, work: Path, mode: str, timeout: float, data: list[str])
                 break
             if any(p.poll() is not None for p in procs):
                 raise RuntimeError(f"a node died: see the node.log files under {work / mode}")
-            if time.monotonic() - t0 > timeout:
-                raise RuntimeError(f"stage 2's replicas did not commit 2 rounds within {timeout:.0f}s")
+            if time.monotonic() - t0 > timeout:  # measured all the same; the rounds column says
+                print(
+                    f"  {mode}: stage 2's replicas did not commit 2 rounds within {timeout:.0f}s", flush=True
+                )
+                break
             time.sleep(1)
     finally:
         for p in procs:  # the head first, so no node loses the peers its in-flight work needs
@@ -161,12 +165,12 @@ def main(argv=None) -> int:
         f"## Whole nodes against their estimate: a {size / GB:.2f} GB Llama in 4 stages, stage 2 replicated"
         f" ({a.data} data)",
         "",
-        f"`python -m bench.node_memory --data {a.data} --out bench/results` (issue 32; 2-core CPU machine,",
-        "fp32, `--codec dense`, DiLoCo and a checkpoint every 5 steps, until stage 2's two replicas",
-        "committed 2 rounds together). Estimate = what the node printed at start (device + host: one RAM",
-        "on a CPU); alone = the same without the outer state a lone stage builds only when a partner",
-        "comes; measured = the peak PSS of the node's process tree (node, DHT process, p2pd, averager",
-        "helper), sampled every 1 s.",
+        f"`python -m bench.node_memory --data {a.data} --out bench/results` (issue 32; 2-core CPU",
+        "machine, fp32, `--codec dense`, DiLoCo (`--outer-timeout 45`) and a checkpoint every 5 steps,",
+        "until stage 2's two replicas committed 2 rounds together). Estimate = what the node printed at",
+        "start (device + host: one RAM on a CPU); alone = the same without the outer state a lone stage",
+        "builds only when a partner comes; measured = the peak PSS of the node's process tree (node, DHT",
+        "process, p2pd, averager helper), sampled every 1 s.",
         "",
         "| fine-tuning | node | stage | estimate GB | alone GB | measured GB | measured / estimate | rounds |"
         " steps |",

@@ -586,7 +586,8 @@ class OuterSync:
 
     # ------------------------------------------------------------------ the round
     def round(self, round_index: int) -> RoundStats:
-        """One outer round; blocks for at most about ``timeout`` s (compute thread, no microbatch in flight).
+        """One outer round; blocks for at most about ``timeout`` s (compute thread, no microbatch in
+        flight), or twice that when its all-reduce is under way at the deadline.
 
         Never raises for network trouble: a round without a group, or whose all-reduce failed,
         comes back with ``skipped=True`` and leaves every parameter and state as it was.
@@ -614,6 +615,7 @@ class OuterSync:
             control = self._avg.step(
                 gather={"lineage": self.lineage}, timeout=self.timeout, allow_retries=True, wait=False
             )
+            extended = False
             while True:  # in slices, so that a node told to stop leaves a lonely round at once
                 if self._leaving.is_set():
                     if not control.began_allreduce:
@@ -625,8 +627,21 @@ class OuterSync:
                     control.result(timeout=min(0.25, max(0.0, deadline - time.monotonic())))
                     break
                 except futures.TimeoutError:
-                    if time.monotonic() >= deadline:
-                        raise
+                    if time.monotonic() < deadline:
+                        continue
+                    if control.began_allreduce and not extended and not self._leaving.is_set():
+                        # Likewise at the deadline: a replica that gives up on an all-reduce under
+                        # way keeps the old outer model while its partners commit the new one, and
+                        # they stay apart until a later round re-anchors them (seen on a loaded
+                        # 2-core host: one replica committed after 11 s, its partner gave up at 20).
+                        # hivemind bounds the all-reduce itself by the same timeout from its start.
+                        deadline = time.monotonic() + self.timeout
+                        extended = True
+                        log.info(
+                            "outer round %d: all-reduce under way at the deadline; finishing it", round_index
+                        )
+                        continue
+                    raise
         except Exception as e:  # no group, failed all-reduce, deadline: the round is skipped
             reason = _one_line(e) or type(e).__name__
         finally:
