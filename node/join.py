@@ -29,7 +29,6 @@ from node.model.adapters import (
     adapter_params,
     add_adapters,
     base_dtype,
-    cast_base,
     frozen_base,
     frozen_bytes_per_param,
     quantize_base,
@@ -468,8 +467,7 @@ def run_join(cfg: NodeConfig) -> int:
                 # NF4 one on the host first, its linear weights moved to the device as they are quantized
                 compute, nf4 = base_dtype(cfg.base_dtype, device), cfg.base_dtype == "nf4"
                 stage = source.load_stage(run.stages, index, torch.device("cpu") if nf4 else device, compute)
-                n = add_adapters(stage, run.finetune, run.seed)
-                cast_base(stage, compute)
+                n = add_adapters(stage, run.finetune, run.seed)  # fp32 adapters over the base
                 if nf4:
                     quantize_base(stage, compute, device)
                     stage.to(device)

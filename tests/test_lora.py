@@ -45,15 +45,33 @@ def _reference(base):
     from node.model.adapters import lora_config
 
     ref = get_peft_model(copy.deepcopy(base), lora_config(FT))
+    return ref, _random_adapters(ref)
+
+
+def _random_adapters(ref) -> dict[str, torch.Tensor]:
+    """Nonzero adapters (so they matter) on a whole-model peft model, by peft's saved names
+    (base_model.model.<whole-model module>.lora_A.weight, less the prefix)."""
     gen = torch.Generator().manual_seed(7)
     values = {}
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-                # peft's saved form: base_model.model.<whole-model module>.lora_A.weight
                 values[name.replace("base_model.model.", "", 1).replace(".default", "")] = p.detach().clone()
-    return ref, values
+    return values
+
+
+def _worst_grad_gap(stages, ref) -> float:
+    """After both backwards: the largest difference between the stages' adapter gradients and the
+    reference's, which must name the same adapters."""
+    ref_grads = {
+        n.replace("base_model.model.", "", 1).replace(".default", ""): p.grad
+        for n, p in ref.named_parameters()
+        if "lora_" in n
+    }
+    ours = {n: p.grad for s in stages for n, p in adapter_tensors(s).items()}
+    assert set(ours) == set(ref_grads)
+    return max(float((ours[n] - ref_grads[n]).abs().max()) for n in ours)
 
 
 def _stages(base, ranges, values=None, seed=0):
@@ -101,16 +119,10 @@ def test_split_lora_pipeline_matches_whole_model_peft():
     )
     loss.backward()
     ref_loss.backward()
-    ref_grads = {
-        n.replace("base_model.model.", "", 1).replace(".default", ""): p.grad
-        for n, p in ref.named_parameters()
-        if "lora_" in n
-    }
-    ours = {n: p.grad for s in stages for n, p in adapter_tensors(s).items()}
-    assert set(ours) == set(ref_grads)
-    worst = max(float((ours[n] - ref_grads[n]).abs().max()) for n in ours)
+    worst = _worst_grad_gap(stages, ref)
     assert worst <= 1e-4, worst
-    assert all(float(g.abs().max()) > 0 for g in ours.values())  # every adapter takes part
+    # every adapter takes part
+    assert all(float(p.grad.abs().max()) > 0 for st in stages for p in adapter_tensors(st).values())
     # only the adapters train: every other parameter is frozen and gets no gradient
     for s in stages:
         for n, p in s.named_parameters():
@@ -257,14 +269,7 @@ def _qlora_reference(base, tmp_path):
     )
     q = LlamaForCausalLM.from_pretrained(tmp_path / "base", quantization_config=quant, device_map="cpu")
     ref = get_peft_model(q, lora_config(FT))
-    gen = torch.Generator().manual_seed(7)
-    values = {}
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-                values[name.replace("base_model.model.", "", 1).replace(".default", "")] = p.detach().clone()
-    return ref, values
+    return ref, _random_adapters(ref)
 
 
 def test_nf4_base_split_pipeline_matches_transformers_qlora(tmp_path):
@@ -290,14 +295,7 @@ def test_nf4_base_split_pipeline_matches_transformers_qlora(tmp_path):
     )
     loss.backward()
     ref_loss.backward()
-    ref_grads = {
-        n.replace("base_model.model.", "", 1).replace(".default", ""): p.grad
-        for n, p in ref.named_parameters()
-        if "lora_" in n
-    }
-    ours = {n: p.grad for s in stages for n, p in adapter_tensors(s).items()}
-    assert set(ours) == set(ref_grads)
-    assert max(float((ours[n] - ref_grads[n]).abs().max()) for n in ours) <= 1e-4
+    assert _worst_grad_gap(stages, ref) <= 1e-4
     # the adapters are what trains; the 4-bit weights are frozen buffers of bytes
     for s in stages:
         assert {n for n, p in s.named_parameters() if p.requires_grad} == set(
