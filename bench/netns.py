@@ -405,21 +405,24 @@ table ip vnat {
 
 @dataclass
 class NatTopology:
-    """Public peers on a bridge, and one home network behind a NAT gateway:
+    """Public peers on a bridge, and home networks each behind a NAT gateway of its own:
 
-        ns <p>-pub:  bridge br0 (the public segment 10.<net>.0.0/24)
-        ns <p>-a<i>: eth0 = 10.<net>.0.<10+i>            public peer i (route to the home net via the gw)
-        ns <p>-gw:   up0 = 10.<net>.0.1, home0 = 10.<net>.1.1   nftables NAT_RULES
-        ns <p>-home: eth0 = 10.<net>.1.10, default route via the gw
+        ns <p>-pub:   bridge br0 (the public segment 10.<net>.0.0/24)
+        ns <p>-a<i>:  eth0 = 10.<net>.0.<10+i>            public peer i (a route to each home net via its gw)
+        ns <p>-gw:    up0 = 10.<net>.0.1, home0 = 10.<net>.1.1   nftables NAT_RULES
+        ns <p>-home:  eth0 = 10.<net>.1.10, default route via the gw
+        ns <p>-gw<j>, <p>-home<j> (j >= 1, ``n_homes``): the same on 10.<net>.0.<1+j>, 10.<net>.<1+j>.0/24
 
-    The public peers get a route to the home network on purpose: what stops them is the gateway's
-    forward chain, not a missing route. ``rate_bps``: tbf on the home link (both ends) and on each
+    The public peers get a route to the home networks on purpose: what stops them is the gateway's
+    forward chain, not a missing route. Two homes reach each other only through both gateways, as
+    two volunteers behind two routers do. ``rate_bps``: tbf on each home link (both ends) and on each
     public peer's link, as ``Topology`` shapes its veths; 0 leaves them unshaped.
     """
 
     n_public: int
     rate_bps: float = 0.0
     latency_ms: int = 50
+    n_homes: int = 1
     tag: str = field(default_factory=lambda: str(os.getpid() % 100000))
     net: int = field(default_factory=lambda: 100 + os.getpid() % 100)
     created: list[str] = field(default_factory=list)
@@ -430,24 +433,36 @@ class NatTopology:
     def public_ns(self, i: int) -> str:
         return self.ns(f"a{i}")
 
+    def home_ns_of(self, j: int) -> str:
+        return self.ns("home" if j == 0 else f"home{j}")
+
+    def gw_ns_of(self, j: int) -> str:
+        return self.ns("gw" if j == 0 else f"gw{j}")
+
+    def home_addr_of(self, j: int) -> str:
+        return f"10.{self.net}.{1 + j}.10"
+
+    def gw_public_addr_of(self, j: int) -> str:
+        return f"10.{self.net}.0.{1 + j}"
+
     @property
     def home_ns(self) -> str:
-        return self.ns("home")
+        return self.home_ns_of(0)
 
     @property
     def gw_ns(self) -> str:
-        return self.ns("gw")
+        return self.gw_ns_of(0)
 
     def public_addr(self, i: int) -> str:
         return f"10.{self.net}.0.{10 + i}"
 
     @property
     def home_addr(self) -> str:
-        return f"10.{self.net}.1.10"
+        return self.home_addr_of(0)
 
     @property
     def gw_public_addr(self) -> str:
-        return f"10.{self.net}.0.1"
+        return self.gw_public_addr_of(0)
 
     def exec_prefix(self, ns: str) -> list[str]:
         return ["ip", "netns", "exec", ns]
@@ -469,39 +484,56 @@ class NatTopology:
             _run(self.exec_prefix(ns) + ["tc", "qdisc", "add", "dev", dev, "root", *tbf])
 
     def build(self) -> None:
+        if not 1 <= self.n_homes <= 8 or self.n_public > 200:
+            raise ValueError(
+                f"NatTopology: 1-8 homes, at most 200 public peers: {self.n_homes}, {self.n_public}"
+            )
         pub = self._add("pub")
         _run(["ip", "-n", pub, "link", "add", "br0", "type", "bridge"])
         _run(["ip", "-n", pub, "link", "set", "br0", "up"])
-        home_net = f"10.{self.net}.1.0/24"
-        gw = self.ns("gw")
-        nodes = [(f"a{i}", "eth0", self.public_addr(i), f"p{self.tag}a{i}") for i in range(self.n_public)]
-        for name, dev, addr, port in [*nodes, ("gw", "up0", self.gw_public_addr, f"p{self.tag}gw")]:
+        homes = range(self.n_homes)
+        short = lambda full: full[len(self.ns("")) :]  # noqa: E731  (_add takes the name's tail)
+        nodes = [
+            (short(self.public_ns(i)), "eth0", self.public_addr(i), f"p{self.tag}a{i}")
+            for i in range(self.n_public)
+        ]
+        gws = [
+            (short(self.gw_ns_of(j)), "up0", self.gw_public_addr_of(j), f"p{self.tag}gw{j}") for j in homes
+        ]
+        for name, dev, addr, port in [*nodes, *gws]:
             ns = self._add(name)
             self._veth(pub, port, ns, dev)
             _run(["ip", "-n", pub, "link", "set", port, "master", "br0"])
             _run(["ip", "-n", pub, "link", "set", port, "up"])
             _run(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev])
             _run(["ip", "-n", ns, "link", "set", dev, "up"])
-            if name != "gw":
-                _run(["ip", "-n", ns, "route", "add", home_net, "via", self.gw_public_addr])
+            if dev == "eth0":  # a public peer: a route to every home network, through its gateway
+                for j in homes:
+                    home_net = f"10.{self.net}.{1 + j}.0/24"
+                    _run(["ip", "-n", ns, "route", "add", home_net, "via", self.gw_public_addr_of(j)])
                 self._shape(ns, dev)
                 self._shape(pub, port)
-        home = self._add("home")
-        self._veth(gw, "home0", home, "eth0")
-        _run(["ip", "-n", gw, "addr", "add", f"10.{self.net}.1.1/24", "dev", "home0"])
-        _run(["ip", "-n", gw, "link", "set", "home0", "up"])
-        _run(["ip", "-n", home, "addr", "add", f"{self.home_addr}/24", "dev", "eth0"])
-        _run(["ip", "-n", home, "link", "set", "eth0", "up"])
-        _run(["ip", "-n", home, "route", "add", "default", "via", f"10.{self.net}.1.1"])
-        self._shape(home, "eth0")
-        self._shape(gw, "home0")
-        _run(self.exec_prefix(gw) + ["sysctl", "-qw", "net.ipv4.ip_forward=1"])
-        _run(self.exec_prefix(gw) + ["sysctl", "-qw", "net.netfilter.nf_conntrack_tcp_loose=0"], check=False)
-        p = subprocess.run(
-            self.exec_prefix(gw) + ["nft", "-f", "-"], input=NAT_RULES, capture_output=True, text=True
-        )
-        if p.returncode != 0:
-            raise RuntimeError(f"nft: {p.stderr.strip()[:300]}")
+        for j in homes:
+            gw, lan_gw = self.gw_ns_of(j), f"10.{self.net}.{1 + j}.1"
+            home = self._add(short(self.home_ns_of(j)))
+            self._veth(gw, "home0", home, "eth0")
+            _run(["ip", "-n", gw, "addr", "add", f"{lan_gw}/24", "dev", "home0"])
+            _run(["ip", "-n", gw, "link", "set", "home0", "up"])
+            _run(["ip", "-n", home, "addr", "add", f"{self.home_addr_of(j)}/24", "dev", "eth0"])
+            _run(["ip", "-n", home, "link", "set", "eth0", "up"])
+            _run(["ip", "-n", home, "route", "add", "default", "via", lan_gw])
+            self._shape(home, "eth0")
+            self._shape(gw, "home0")
+            _run(self.exec_prefix(gw) + ["sysctl", "-qw", "net.ipv4.ip_forward=1"])
+            _run(
+                self.exec_prefix(gw) + ["sysctl", "-qw", "net.netfilter.nf_conntrack_tcp_loose=0"],
+                check=False,
+            )
+            p = subprocess.run(
+                self.exec_prefix(gw) + ["nft", "-f", "-"], input=NAT_RULES, capture_output=True, text=True
+            )
+            if p.returncode != 0:
+                raise RuntimeError(f"nft: {p.stderr.strip()[:300]}")
 
     def bounce_uplink(self, down_s: float = 0.5) -> float:
         """The gateway's uplink goes down and up: masquerade forgets every mapping through it (the

@@ -122,11 +122,16 @@ def run_mode(ckpt: Path, work: Path, mode: str, timeout: float, data: list[str])
         # a lone replica holds no outer state until a partner comes (node.dp.deferred); its estimate
         # counts it all the same, as what it needs then: without it, a checkpoint's 12 B / parameter
         lone = est.get("total", 0) + 12 * est.get("trainable", 0) + est.get("runtime", 0) - AVERAGER_BYTES
+        seen = m.get("memory", {}).get("estimate_at_peak") or est
+        fewer = est.get("total", 0) - seen.get("total", 0)  # activations of the microbatches never held
+        whole = lone if STAGES.count(s) == 1 else est.get("total", 0) + est.get("host", 0)
         rows.append({
             "mode": mode, "node": i, "stage": s, "replica": STAGES.count(s) > 1,
             "estimate": est.get("total", 0) + est.get("host", 0), "device_estimate": est.get("total", 0),
             "host_estimate": est.get("host", 0), "measured_pss": peaks[i] if i < len(peaks) else 0,
             "estimate_alone": lone if STAGES.count(s) == 1 else None,
+            "peak_inflight": m.get("memory", {}).get("peak_inflight"), "cap_inflight": est.get("inflight"),
+            "estimate_at_peak": whole - fewer,
             "peak_rss_node_process": m.get("memory", {}).get("peak_rss", 0),
             "committed_rounds": _committed(m), "inner_step": m.get("inner_step", 0),
         })  # fmt: skip
@@ -139,6 +144,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=20)
     p.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora"])
     p.add_argument("--timeout", type=float, default=1200)
+    p.add_argument("--max-inflight", type=int, default=4, help="every node's --max-inflight")
     p.add_argument(
         "--data",
         choices=["full-frames", "arithmetic"],
@@ -155,6 +161,7 @@ def main(argv=None) -> int:
         if a.data == "full-frames":
             write_long_text(work / "long.txt")
             data = ["--data", str(work / "long.txt")]
+        data += ["--max-inflight", str(a.max_inflight)]
         rows = [r for mode in a.modes for r in run_mode(work / "ckpt", work, mode, a.timeout, data)]
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -170,11 +177,13 @@ def main(argv=None) -> int:
         "until stage 2's two replicas committed 2 rounds together). Estimate = what the node printed at",
         "start (device + host: one RAM on a CPU); alone = the same without the outer state a lone stage",
         "builds only when a partner comes; measured = the peak PSS of the node's process tree (node, DHT",
-        "process, p2pd, averager helper), sampled every 1 s.",
+        "process, p2pd, averager helper), sampled every 1 s. In flight = the most microbatches the node's",
+        "gate held at once, of its `--max-inflight` cap; at that count = the estimate made for it (alone",
+        "for a lone stage; `node.model.devices.with_inflight`, reported in the node's metrics).",
         "",
         "| fine-tuning | node | stage | estimate GB | alone GB | measured GB | measured / estimate | rounds |"
-        " steps |",
-        "|---|---|---|---|---|---|---|---|---|",
+        " steps | in flight | at that count GB | measured / at that count |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = r["measured_pss"] / r["estimate"] if r["estimate"] else float("nan")
@@ -183,7 +192,8 @@ def main(argv=None) -> int:
             f"| {r['mode']} | {r['node']} | {r['stage']}{' (replica)' if r['replica'] else ''} | "
             f"{r['estimate'] / GB:.2f} | {alone} | "
             f"{r['measured_pss'] / GB:.2f} | {ratio:.2f} | "
-            f"{r['committed_rounds']} | {r['inner_step']} |"
+            f"{r['committed_rounds']} | {r['inner_step']} | {r['peak_inflight']} of {r['cap_inflight']} | "
+            f"{r['estimate_at_peak'] / GB:.2f} | {r['measured_pss'] / r['estimate_at_peak']:.2f} |"
         )
     text = "\n".join(lines) + "\n"
     print(text)

@@ -29,7 +29,7 @@ from node.dp.scape import ScapeSync
 from node.dp.strategies import AdamWStep, AnchorStep
 from node.dp.tied import TiedExchange, tied_parameter
 from node.lifecycle import Lifecycle
-from node.model.devices import process_memory
+from node.model.devices import process_memory, with_inflight
 from node.model.stages import Stage
 from node.stage.compute import Compute
 from node.stage.context import StageContext
@@ -240,6 +240,14 @@ class StageRuntime(Lifecycle):
             "base": self.base,  # LoRA's frozen base: fp32 | bf16 | nf4 ("" under full fine-tuning)
             "links": m.links_list(),
             "peers": {str(s): sorted(r) for s, r in enumerate(self.routes)},
-            "memory": {**process_memory(self.compute.device), "estimate": self.memory_estimate},
+            "memory": {
+                **process_memory(self.compute.device),
+                "estimate": self.memory_estimate,
+                "peak_inflight": self.gate.peak,
+                # the same estimate at the most microbatches this node held at once
+                "estimate_at_peak": (
+                    with_inflight(self.memory_estimate, self.gate.peak) if self.memory_estimate else None
+                ),
+            },
             "time": time.time(),
         }

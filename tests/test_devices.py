@@ -155,3 +155,26 @@ def test_state_estimate_is_what_adamw_allocates(device, dtype):
     used = sum(t.numel() * t.element_size() for t in [lin.weight, lin.weight.grad, *moments])
     est = stage_memory_bytes(lin.weight.numel(), 1, 64, None, 1, 1, torch.device(device))
     assert est["states"] == used
+
+
+@pytest.mark.parametrize("vocab", [None, 4096])
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_estimate_at_the_inflight_count_seen_is_the_estimate_made_for_it(vocab, recompute, lora):
+    """What a node reports beside its checked estimate (at --max-inflight) once its gate has seen
+    how many microbatches it held: the estimate made for that count from the start."""
+    from node.model.devices import with_inflight
+
+    kw = dict(recompute=recompute, mlp=2816, kv=256, outer=True)
+    if lora:
+        kw.update(n_adapters=3_000_000, base_bytes=2.0)
+    args = (150_000_000, 6, 1024, vocab, 512)
+    cpu = torch.device("cpu")
+    capped = stage_memory_bytes(*args, 4, cpu, **kw)
+    for n in (1, 2, 3, 4):
+        seen = with_inflight(capped, n)
+        direct = stage_memory_bytes(*args, n, cpu, **kw)
+        assert abs(seen["total"] - direct["total"]) <= 4, (n, seen["total"], direct["total"])
+        assert seen["activations"] == pytest.approx(direct["activations"], abs=4)
+        assert seen["host"] == direct["host"]
+    assert with_inflight(capped, 1)["total"] < capped["total"]

@@ -10,7 +10,9 @@ What is proven, in one run (each part can fail on its own):
 * the node found itself behind NAT, trained >= 20 steps with the head, 0 microbatches dropped;
 * a plain TCP connect from the public side to the node's port fails (the gateway drops it);
 * the gateway tracks only flows the node opened;
-* the gateway's uplink bounces (every NAT mapping lost): the node serves again within 2 heartbeats.
+* the gateway's uplink bounces (every NAT mapping lost): the node serves again within 2 heartbeats;
+* a second node behind a second gateway, asking for stage 0 (next to the NAT'd stage 1), is refused
+  in one line that says what to do, and the run goes on.
 
 The negative control: the same node with ``--reachability direct`` (no reversal). Fresh, it trains
 anyway, by accident: its own DHT requests opened connections to every DHT server (a store goes to
@@ -142,7 +144,7 @@ def _after_bounce(topo, head: Node, home: Node, deadline_s: float) -> tuple[floa
 def topo():
     from bench.netns import NatTopology, leftover_nat_namespaces
 
-    t = NatTopology(n_public=1)
+    t = NatTopology(n_public=1, n_homes=2)
     try:
         t.build()
         yield t
@@ -160,7 +162,8 @@ def test_node_behind_nat_serves_a_stage(topo, tmp_path):
         ready = _wait(lambda: (head.dir / "ready.json").exists(), 60, "the head", head)
         assert ready
         peer = json.loads((head.dir / "ready.json").read_text())["peer_id"]
-        bootstrap = ["--peers", f"/ip4/{topo.public_addr(0)}/tcp/{PORT}/p2p/{peer}", "--stage", "1"]
+        peers = ["--peers", f"/ip4/{topo.public_addr(0)}/tcp/{PORT}/p2p/{peer}"]
+        bootstrap = [*peers, "--stage", "1"]
         home = Node(topo, topo.home_ns, topo.home_addr, tmp_path / "home", bootstrap)
         nodes.append(home)
         steps = lambda: min(n.metrics().get("inner_step", 0) for n in (head, home))  # noqa: E731
@@ -178,6 +181,24 @@ def test_node_behind_nat_serves_a_stage(topo, tmp_path):
         if flows is not None:  # only what the home node opened, all of it to the head
             assert flows, "no tracked flow: the gateway did not carry the run"
             assert all(f["src"] == topo.home_addr for f in flows), flows
+
+        # a second volunteer behind a second router asks for stage 0: its neighbour, stage 1, is
+        # served only from behind NAT, so neither side could open a connection to the other
+        other = Node(
+            topo, topo.home_ns_of(1), topo.home_addr_of(1), tmp_path / "home2", [*peers, "--stage", "0"]
+        )
+        nodes.append(other)
+        try:
+            rc = other.proc.wait(90)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the second NAT'd node did not refuse stage 0:\n{other.tail()}") from None
+        log = (other.dir / "log").read_text()
+        errors = [line for line in log.splitlines() if line.startswith("error:")]
+        assert rc == 2 and len(errors) == 1 and "Traceback" not in log, (rc, log[-3000:])
+        assert "behind NAT and so is every node of stage 1" in errors[0], errors
+        assert "Forward a TCP port" in errors[0], errors  # and says what the volunteer can do
+        assert "this node is behind NAT or a firewall" in log, log[-3000:]  # found by asking, not told
+        assert head.metrics()["dropped_microbatches"] == 0, head.metrics()  # the run did not notice
 
         bounced, took, lost = _after_bounce(topo, head, home, deadline_s=20)
         assert took is not None, f"did not serve again after the uplink bounce:\n{home.tail()}"

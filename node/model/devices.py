@@ -127,6 +127,9 @@ def stage_memory_bytes(
     else:
         activations = n_layers * live * per_layer
     activations += waiting + logits
+    # the part that grows with the in-flight count (all of it but the tail's one live microbatch
+    # and its logits): what with_inflight rescales once a run shows how many a stage really held
+    fixed = logits + (activations - logits - waiting if vocab else 0)
     states = int(frozen * base) + trainable * 4 * weight_bytes
     # Measured beyond weights, grads and moments at a node's peak (tests/test_devices.py, a body
     # stage on the CPU with the node's allocator settings): 1.5-7 B per trained parameter, the
@@ -151,6 +154,24 @@ def stage_memory_bytes(
         "runtime": runtime,
         "host": outer_bytes + max(checkpoint, round_bytes, staged) + runtime,
         "trainable": trainable,
+        "inflight": max_inflight,
+        "per_inflight": (activations - fixed) // max(1, max_inflight),
+    }
+
+
+def with_inflight(mem: dict[str, int], n: int) -> dict[str, int]:
+    """The estimate ``mem`` with ``n`` microbatches in flight instead of its cap.
+
+    The cap (``--max-inflight``) is what a stage may hold, so it is what ``--max-memory`` checks;
+    how many it does hold depends on the pipeline (a stage that steps after every microbatch, or
+    that shares the upstream's microbatches with a replica, holds fewer). A node reports this at the
+    peak its gate counted (node.stage.step.StepGate.peak), beside the checked figure."""
+    extra = (max(1, n) - mem["inflight"]) * mem["per_inflight"]
+    return {
+        **mem,
+        "inflight": max(1, n),
+        "activations": mem["activations"] + extra,
+        "total": mem["total"] + extra,
     }
 
 

@@ -34,6 +34,7 @@ class StepGate:
     def __init__(self, cap: int):
         self.cap = cap
         self.inflight = 0
+        self.peak = 0  # the most microbatches held at once: what the memory estimate's cap met
         self.stepping = False
         self.refusing = False  # during a long exclusive phase (an outer round): turn work away at once
         self._cond = asyncio.Condition()
@@ -49,6 +50,7 @@ class StepGate:
             if self.refusing:
                 raise Busy("in an outer round; try another replica")
             self.inflight += 1
+            self.peak = max(self.peak, self.inflight)
 
     def check_open(self) -> None:
         """Raise Busy at once while work is turned away (before any of it is queued anywhere)."""
