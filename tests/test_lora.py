@@ -269,6 +269,9 @@ def _qlora_reference(base, tmp_path):
     )
     q = LlamaForCausalLM.from_pretrained(tmp_path / "base", quantization_config=quant, device_map="cpu")
     ref = get_peft_model(q, lora_config(FT))
+    # in training mode, as a stage trains: in eval mode on a CPU with AVX512-BF16, bitsandbytes
+    # repacks the weights for a bf16 inference kernel (2e-3 off fp32 compute; no dropout here)
+    ref.train()
     return ref, _random_adapters(ref)
 
 
