@@ -355,7 +355,7 @@ def summarise(snaps: list[dict], a, v: Variant, topo: Topology, t_first: float) 
     tokens_per_mb = a.microbatch * a.seq_len
     tok_rate = 0.0
     tokens = 0
-    egress = {}
+    egress, spans = {}, {}
     for i, m1 in s1["metrics"].items():
         m0 = s0["metrics"].get(i)
         if m0 is None or not _is_fast(m1):
@@ -366,6 +366,7 @@ def summarise(snaps: list[dict], a, v: Variant, topo: Topology, t_first: float) 
             tokens += d
             tok_rate += d / dt
         egress[i] = (_egress_bytes(m1) - _egress_bytes(m0)) / dt
+        spans[i] = dt  # the node's own span between its two metric writes: what its rate covers
     dtw = max(s1["t"] - s0["t"], 1e-9)
     wire = {}
     for i in sorted(s1["counters"]):  # every node of the run, anchors included
@@ -383,6 +384,7 @@ def summarise(snaps: list[dict], a, v: Variant, topo: Topology, t_first: float) 
         "busiest_node": busiest,
         "busiest_node_stage": s1["metrics"][busiest]["stage"] if busiest is not None else None,
         "egress_frame_bytes_per_s": {str(i): round(b) for i, b in sorted(egress.items())},
+        "egress_window_s": {str(i): round(dt, 2) for i, dt in sorted(spans.items())},
         "wire_utilisation": (wire[wire_busiest[0]][wire_busiest[1]] / cap_bytes) if wire_busiest else None,
         "wire_busiest": f"node {wire_busiest[0]} {wire_busiest[1]}" if wire_busiest else None,
         "wire_bytes_per_s": {str(i): {d: round(x) for d, x in w.items()} for i, w in sorted(wire.items())},
@@ -661,6 +663,7 @@ def run_one(a, v: Variant, topo: Topology, out: Path, data: Path, command: str) 
         "wire_utilisation": round(s["wire_utilisation"], 4) if s["wire_utilisation"] is not None else None,
         "wire_busiest": s["wire_busiest"],
         "egress_frame_bytes_per_s": s["egress_frame_bytes_per_s"],
+        "egress_window_s": s["egress_window_s"],
         "wire_bytes_per_s": s["wire_bytes_per_s"],
         "steps": max(
             (m["inner_step"] for m in metrics if m["stage"] == a.stages - 1 and _is_fast(m)), default=0

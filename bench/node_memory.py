@@ -76,7 +76,7 @@ def run_mode(ckpt: Path, work: Path, mode: str, timeout: float, data: list[str])
     run_id = f"mem-{mode}-{int(time.time())}"
     dirs = [work / mode / str(i) for i in range(len(STAGES))]
     procs: list[subprocess.Popen] = []
-    memory = PeakMemory()
+    memory = PeakMemory(by_process=True)
     t0 = time.monotonic()
     try:
         procs.append(_join(ckpt, dirs[0], STAGES[0], run_id, [], extra))
@@ -118,11 +118,12 @@ def run_mode(ckpt: Path, work: Path, mode: str, timeout: float, data: list[str])
     peaks = memory.as_dict()["peak_pss_per_node"]
     for i, (d, s) in enumerate(zip(dirs, STAGES)):
         m = _read(d / "metrics.json") or {}
-        est = m.get("memory", {}).get("estimate") or {}
+        mem = m.get("memory", {})
+        est = mem.get("estimate") or {}
         # a lone replica holds no outer state until a partner comes (node.dp.deferred); its estimate
         # counts it all the same, as what it needs then: without it, a checkpoint's 12 B / parameter
         lone = est.get("total", 0) + 12 * est.get("trainable", 0) + est.get("runtime", 0) - AVERAGER_BYTES
-        seen = m.get("memory", {}).get("estimate_at_peak") or est
+        seen = mem.get("estimate_at_peak") or est
         fewer = est.get("total", 0) - seen.get("total", 0)  # activations of the microbatches never held
         whole = lone if STAGES.count(s) == 1 else est.get("total", 0) + est.get("host", 0)
         rows.append({
@@ -130,9 +131,10 @@ def run_mode(ckpt: Path, work: Path, mode: str, timeout: float, data: list[str])
             "estimate": est.get("total", 0) + est.get("host", 0), "device_estimate": est.get("total", 0),
             "host_estimate": est.get("host", 0), "measured_pss": peaks[i] if i < len(peaks) else 0,
             "estimate_alone": lone if STAGES.count(s) == 1 else None,
-            "peak_inflight": m.get("memory", {}).get("peak_inflight"), "cap_inflight": est.get("inflight"),
+            "peak_inflight": mem.get("peak_inflight"), "cap_inflight": est.get("inflight"),
             "estimate_at_peak": whole - fewer,
-            "peak_rss_node_process": m.get("memory", {}).get("peak_rss", 0),
+            "peak_rss_node_process": mem.get("peak_rss", 0),
+            "pss_by_process_at_peak": memory.at_peak.get(i, {}),
             "committed_rounds": _committed(m), "inner_step": m.get("inner_step", 0),
         })  # fmt: skip
     return rows
@@ -195,6 +197,19 @@ def main(argv=None) -> int:
             f"{r['committed_rounds']} | {r['inner_step']} | {r['peak_inflight']} of {r['cap_inflight']} | "
             f"{r['estimate_at_peak'] / GB:.2f} | {r['measured_pss'] / r['estimate_at_peak']:.2f} |"
         )
+    kinds = sorted({k for r in rows for k in r["pss_by_process_at_peak"]}, key=lambda k: (k != "node", k))
+    lines += [
+        "",
+        "Each tree at its peak, by process (PSS GB; p2pd and the node's forks: the DHT process,",
+        "then the averager helper where a replica has a partner):",
+        "",
+        "| fine-tuning | node | stage | " + " | ".join(kinds) + " |",
+        "|---|---|---|" + "---|" * len(kinds),
+    ]
+    for r in rows:
+        at = r["pss_by_process_at_peak"]
+        cells = [f"{at[k] / GB:.2f}" if k in at else "-" for k in kinds]
+        lines.append(f"| {r['mode']} | {r['node']} | {r['stage']} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
     with open(out / "stage_memory.md", "a") as f:

@@ -52,6 +52,7 @@ log = logging.getLogger("node")
 
 
 JOIN_REREADS = 3  # extra reads of a stage that looks empty in a run that has trained (_join_from_peers)
+METRICS_EVERY_S = 1.0  # the metrics file (--metrics-file) is rewritten this often
 
 
 def _run_has_trained(routes: list[dict[str, StageRecord]]) -> bool:
@@ -140,7 +141,6 @@ class Lifecycle:
                     await self.linkio.bases.announce()
                 except Exception as e:
                     log.info("basis announce failed: %s", e)
-            self.write_metrics()
             self.write_health(serving=True)
             try:
                 await asyncio.wait_for(ctx.stop.wait(), ctx.cfg.heartbeat_s)
@@ -263,6 +263,17 @@ class Lifecycle:
         if self.ctx.cfg.metrics_file:
             write_json_atomic(self.ctx.cfg.metrics_file, self.metrics_dict())
 
+    async def metrics_loop(self) -> None:
+        """The metrics file on its own clock: written after each heartbeat's DHT calls, it went
+        seconds stale on a loaded machine, and a rate read between two snapshots covered a span
+        shorter than the reader's (the harness's frame rate, CI 12/4)."""
+        while not self.ctx.stop.is_set():
+            self.write_metrics()
+            try:
+                await asyncio.wait_for(self.ctx.stop.wait(), METRICS_EVERY_S)
+            except asyncio.TimeoutError:
+                pass
+
     # ------------------------------------------------------------ serving
     async def serve(self, p2p) -> None:
         """Register the handlers, heartbeat, drive data (head), until stopped."""
@@ -311,6 +322,8 @@ class Lifecycle:
         if self.move_allowed is not None:  # the dwell counts from now: a joiner first fills its stage
             self.rebalancer = Rebalancer(time.monotonic(), ctx.cfg.heartbeat_s)
         tasks = [asyncio.create_task(self.heartbeat_loop())]
+        if ctx.cfg.metrics_file:
+            tasks.append(asyncio.create_task(self.metrics_loop()))
         if ctx.cfg.dashboard:
             tasks.append(asyncio.create_task(self._dashboard()))
         if self.reverser is not None or ctx.cfg.reachability == "auto":

@@ -87,6 +87,9 @@ def _export(*args) -> subprocess.CompletedProcess:
     )
 
 
+# slow (~60 s: a swarm, then its nodes restarted to serve): the export's assembly is tested in
+# process below (checkpoints and stages vs the pipeline), the launcher's export in test_demo_path.py
+@pytest.mark.slow
 def test_export_from_checkpoints_and_live_peers_equal_the_pipeline(tmp_path):
     from node.local.launcher import kill_group
 

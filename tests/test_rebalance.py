@@ -182,6 +182,9 @@ def _log(report, i: int) -> str:
     return (report / "nodes" / str(i) / "node.log").read_text()
 
 
+# slow (~45 s of a 4-node swarm, most of it the 20-heartbeat dwell before a move): the decision is
+# tested above as pure functions (choose_move, Rebalancer); this is the whole path through real nodes
+@pytest.mark.slow
 def test_a_stage_left_empty_is_served_again_and_training_resumes(tmp_path):
     args = build_parser().parse_args(
         ["swarm", "--nodes", "4", "--stages", "3", "--model", "tiny:4", "--codec", "dense", "--lr", "1e-3",

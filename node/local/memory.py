@@ -48,11 +48,38 @@ def pss(pid: int) -> int:
     return 0
 
 
-class PeakMemory:
-    """The largest PSS each node's tree reached, and the largest the swarm's reached together."""
+def comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
 
-    def __init__(self) -> None:
+
+def parts(pids: list[int]) -> dict[str, int]:
+    """A tree's PSS by process: the root as ``node``, the rest by command name and, where several
+    share one (the DHT process and the averager helper are both forks of the node), by start order."""
+    out: dict[str, int] = {}
+    root, *rest = pids
+    out["node"] = pss(root)
+    for p in sorted(rest):
+        name = comm(p)
+        key, k = name, 1
+        while key in out:
+            k += 1
+            key = f"{name}#{k}"
+        out[key] = pss(p)
+    return out
+
+
+class PeakMemory:
+    """The largest PSS each node's tree reached, and the largest the swarm's reached together;
+    with ``by_process``, each tree's processes at the sample where it peaked."""
+
+    def __init__(self, by_process: bool = False) -> None:
         self.per_node: dict[int, int] = {}
+        self.at_peak: dict[int, dict[str, int]] = {}
+        self.by_process = by_process
         self.total = 0
 
     def sample(self, pids: list[int | None]) -> None:
@@ -63,8 +90,13 @@ class PeakMemory:
         for i, pid in enumerate(pids):
             if pid is None:
                 continue
-            n = sum(pss(p) for p in tree(pid, children))
-            self.per_node[i] = max(self.per_node.get(i, 0), n)
+            procs = tree(pid, children)
+            split = parts(procs) if self.by_process else {}
+            n = sum(split.values()) if self.by_process else sum(pss(p) for p in procs)
+            if n > self.per_node.get(i, 0):
+                self.per_node[i] = n
+                if self.by_process:
+                    self.at_peak[i] = split
             now += n
         self.total = max(self.total, now)
 

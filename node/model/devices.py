@@ -127,9 +127,9 @@ def stage_memory_bytes(
     else:
         activations = n_layers * live * per_layer
     activations += waiting + logits
-    # the part that grows with the in-flight count (all of it but the tail's one live microbatch
-    # and its logits): what with_inflight rescales once a run shows how many a stage really held
-    fixed = logits + (activations - logits - waiting if vocab else 0)
+    # what grows with the in-flight count (a body stage's activations, the tail's waiting frames;
+    # not the tail's one live microbatch and its logits): what with_inflight rescales
+    scaled = waiting if vocab else activations
     states = int(frozen * base) + trainable * 4 * weight_bytes
     # Measured beyond weights, grads and moments at a node's peak (tests/test_devices.py, a body
     # stage on the CPU with the node's allocator settings): 1.5-7 B per trained parameter, the
@@ -155,7 +155,7 @@ def stage_memory_bytes(
         "host": outer_bytes + max(checkpoint, round_bytes, staged) + runtime,
         "trainable": trainable,
         "inflight": max_inflight,
-        "per_inflight": (activations - fixed) // max(1, max_inflight),
+        "per_inflight": scaled // max(1, max_inflight),
     }
 
 
