@@ -132,6 +132,7 @@ def run_mode(ckpt: Path, work: Path, mode: str, timeout: float, data: list[str])
             "host_estimate": est.get("host", 0), "measured_pss": peaks[i] if i < len(peaks) else 0,
             "estimate_alone": lone if STAGES.count(s) == 1 else None,
             "peak_inflight": mem.get("peak_inflight"), "cap_inflight": est.get("inflight"),
+            "peak_held": mem.get("peak_held"),
             "estimate_at_peak": whole - fewer,
             "peak_rss_node_process": mem.get("peak_rss", 0),
             "pss_by_process_at_peak": memory.at_peak.get(i, {}),
@@ -180,12 +181,13 @@ def main(argv=None) -> int:
         "start (device + host: one RAM on a CPU); alone = the same without the outer state a lone stage",
         "builds only when a partner comes; measured = the peak PSS of the node's process tree (node, DHT",
         "process, p2pd, averager helper), sampled every 1 s. In flight = the most microbatches the node's",
-        "gate held at once, of its `--max-inflight` cap; at that count = the estimate made for it (alone",
-        "for a lone stage; `node.model.devices.with_inflight`, reported in the node's metrics).",
+        "gate held at once, of its `--max-inflight` cap; held = the most whose activations (forward",
+        "graphs) it held at once; at that count = the estimate made for the held count (alone for a lone",
+        "stage; `node.model.devices.with_inflight`, reported in the node's metrics).",
         "",
         "| fine-tuning | node | stage | estimate GB | alone GB | measured GB | measured / estimate | rounds |"
-        " steps | in flight | at that count GB | measured / at that count |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " steps | in flight | held | at that count GB | measured / at that count |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = r["measured_pss"] / r["estimate"] if r["estimate"] else float("nan")
@@ -195,6 +197,7 @@ def main(argv=None) -> int:
             f"{r['estimate'] / GB:.2f} | {alone} | "
             f"{r['measured_pss'] / GB:.2f} | {ratio:.2f} | "
             f"{r['committed_rounds']} | {r['inner_step']} | {r['peak_inflight']} of {r['cap_inflight']} | "
+            f"{r['peak_held']} | "
             f"{r['estimate_at_peak'] / GB:.2f} | {r['measured_pss'] / r['estimate_at_peak']:.2f} |"
         )
     kinds = sorted({k for r in rows for k in r["pss_by_process_at_peak"]}, key=lambda k: (k != "node", k))

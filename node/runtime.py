@@ -244,9 +244,13 @@ class StageRuntime(Lifecycle):
                 **process_memory(self.compute.device),
                 "estimate": self.memory_estimate,
                 "peak_inflight": self.gate.peak,
-                # the same estimate at the most microbatches this node held at once
+                # the most microbatches whose activations this node held at once, and the same
+                # estimate at that count
+                "peak_held": self.pipeline.peak_held,
                 "estimate_at_peak": (
-                    with_inflight(self.memory_estimate, self.gate.peak) if self.memory_estimate else None
+                    with_inflight(self.memory_estimate, self.pipeline.peak_held or self.gate.peak)
+                    if self.memory_estimate
+                    else None
                 ),
             },
             "time": time.time(),

@@ -72,6 +72,20 @@ def test_replicated_stage_all_replicas_served(swarm_report):
             assert rep["microbatches_per_peer"][peer] > 0, rep["microbatches_per_peer"]
 
 
+def test_nodes_count_the_activations_they_held_within_their_gate(swarm_report):
+    """Each node's peak of microbatches holding activations (Pipeline.peak_held): at least one on a
+    node that served, never more than its gate let in at once (StepGate.peak) nor the cap; a head
+    with work in flight held several. A count that missed a release would climb past the gate."""
+    rep, _ = swarm_report
+    heads = []
+    for m in rep["nodes"]:
+        mem = m["memory"]
+        assert 1 <= mem["peak_held"] <= mem["peak_inflight"] <= 4, mem  # --max-inflight 4, the default
+        if m["stage"] == 0:
+            heads.append(mem["peak_held"])
+    assert max(heads) >= 2, heads
+
+
 def test_replicas_average_by_default(swarm_report):
     """No --outer-every: every replicated stage runs DiLoCo rounds; the last lines show them."""
     rep, out = swarm_report

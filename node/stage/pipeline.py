@@ -53,6 +53,11 @@ class Pipeline:
         self.drop_backoff_s = drop_backoff_s
         self.empty_downstream = EmptyStageBackoff()  # head: a next stage with no live peer
         self.throughput = 0.0  # tokens per second of this stage's compute, announced to routing
+        # microbatches whose forward graph (their saved activations) this stage holds now, and the
+        # most at once: what the memory estimate's activations are for. At most the gate's count
+        # (StepGate.peak), and fewer where microbatches wait to compute or a step drains them.
+        self.held = 0
+        self.peak_held = 0
         self._mb_counter = 0
         self._mb_prefix = (zlib.crc32(ctx.peer_id.encode()) & 0xFFFFFF) << 32
 
@@ -114,7 +119,8 @@ class Pipeline:
         """
         ctx = self.ctx
         t0 = time.perf_counter()
-        if ctx.is_tail:
+        if ctx.is_tail:  # forward, loss and backward in one call: one graph at a time
+            self.peak_held = max(self.peak_held, 1)
             meta, reply = await ctx.compute(self._tail, x, labels, upstream)
             self._record_throughput(tokens, time.perf_counter() - t0)
             return meta, reply
@@ -125,11 +131,17 @@ class Pipeline:
         except LinkError as e:
             raise HopFailed(str(e), retry=False) from None
         self._record_throughput(tokens, time.perf_counter() - t0)
-        bwd = await self.hops.send_downstream(data, mb, tokens)
+        self.held += 1
+        self.peak_held = max(self.peak_held, self.held)
         try:
-            reply = await ctx.compute(self._decode_backward, down, bwd, y, leaf, upstream)
-        except LinkError as e:
-            raise HopFailed(str(e), retry=False) from None
+            bwd = await self.hops.send_downstream(data, mb, tokens)
+            try:
+                reply = await ctx.compute(self._decode_backward, down, bwd, y, leaf, upstream)
+            except LinkError as e:
+                raise HopFailed(str(e), retry=False) from None
+        finally:
+            self.held -= 1
+            del y, leaf  # the graph goes with them, whatever happened to the hop
         return _loss_meta(bwd), reply
 
     async def serve(self, data: bytes) -> tuple[Frame, bytes]:
