@@ -96,6 +96,7 @@ MODES = ("diloco", "gasloc")
 STATE_VERSION = 1
 LEAVE_GRACE_S = 5.0  # a node told to stop finishes an all-reduce under way for at most this long
 AVERAGER_START_ATTEMPTS = 2  # hivemind's forked averager can deadlock at start-up; fork once more
+REPLIES_SENT_S = 5.0  # a member, its averages done, waits this long at most to return its partner's
 
 # Slots of the shared record between the host and the helper process (doubles; tokens < 2**53).
 _ACTIVE, _BYTES, _COMMITTED, _GROUP, _REANCHOR, _PAYLOAD, _ATTEMPTS = range(7)
@@ -146,12 +147,22 @@ class _ExactRunner(AllReduceRunner):
        last-bit differences into different noise columns of P_hat on each member, and their
        d_hat's then differ by far more than rounding. With exact averages all members compute
        bit-identical P_hat, Q_avg, d_hat and theta (same CPU math library).
-    2. The serialized size of every message this peer sends is added to ``counter[0]``.
+    2. The serialized size of every message this peer sends is added to ``counter[0]``. A member's
+       own averages can be complete while, as a reducer, it is still returning the last averaged
+       part to a partner; ``replies_sent`` waits for that, so the count is the round's whole.
     """
 
     def __init__(self, *args, counter: list[int], **kwargs):
         super().__init__(*args, **kwargs)
         self._counter = counter
+        self._serving = 0  # reducer streams still returning averaged parts
+        self._served = asyncio.Event()
+        self._served.set()
+
+    async def replies_sent(self, timeout: float) -> None:
+        """Until every averaged part this peer returns as a reducer is written (or ``timeout``)."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._served.wait(), timeout)
 
     async def _generate_input_for_peer(self, peer_index: int):
         async for msg in super()._generate_input_for_peer(peer_index):
@@ -171,6 +182,8 @@ class _ExactRunner(AllReduceRunner):
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         part_index = 0
+        self._serving += 1
+        self._served.clear()
         try:
             loop = asyncio.get_event_loop()
             async for tensor_part, weight, part_compression in amap_in_executor(
@@ -192,6 +205,9 @@ class _ExactRunner(AllReduceRunner):
                 self._counter[0] += msg.ByteSize()
                 yield msg
         finally:
+            self._serving -= 1
+            if not self._serving:
+                self._served.set()
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
@@ -299,6 +315,8 @@ class _OuterAverager(DecentralizedAverager):
         self._running_groups[group_id].set_result(runner)
         async for tensor, averaged in azip(as_aiter(*tensors), runner):
             tensor.copy_(averaged)
+        # (a CI run read 127,323 of a LoRA stage's 131,072 bytes: the last averaged part uncounted)
+        await runner.replies_sent(REPLIES_SENT_S)
         # hivemind finishes an all-reduce even when a reducer failed (its parts keep our local
         # values) or a sender was dropped (its parts are averaged without it). Members would then
         # hold different "averages", so such an attempt fails as a whole instead.
