@@ -30,7 +30,7 @@ from pathlib import Path
 
 from bench.stage_memory import big_config, write_random_checkpoint
 from node.local.memory import PeakMemory
-from node.model.devices import AVERAGER_BYTES
+from node.model.devices import AVERAGER_BYTES_PER_PARAM
 
 STAGES = [0, 1, 2, 2, 3]
 GB = 1e9
@@ -63,12 +63,14 @@ def _committed(m: dict) -> int:
 
 def write_long_text(path: Path, n: int = 2000, seed: int = 0) -> None:
     """Plain-text examples longer than the run's 64-token sequences: every microbatch fills its
-    8 x 64 padded tokens, the frame the estimate sizes activations by."""
+    8 x 64 padded tokens, the frame the estimate sizes activations by. Examples of plain text are
+    paragraphs (node.model.data.load_examples): one per blank-line-separated block. (Written one per
+    line until 12/4, the file was a single example, and every microbatch held 1 x 64 tokens.)"""
     import random
 
     rng = random.Random(seed)
     words = ["node", "stage", "swarm", "peer", "round", "token", "layer", "link", "home", "gpu"]
-    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(40)) for _ in range(n)) + "\n")
+    path.write_text("\n\n".join(" ".join(rng.choice(words) for _ in range(40)) for _ in range(n)) + "\n")
 
 
 def run_mode(ckpt: Path, work: Path, mode: str, timeout: float, data: list[str]) -> list[dict]:
@@ -122,7 +124,8 @@ def run_mode(ckpt: Path, work: Path, mode: str, timeout: float, data: list[str])
         est = mem.get("estimate") or {}
         # a lone replica holds no outer state until a partner comes (node.dp.deferred); its estimate
         # counts it all the same, as what it needs then: without it, a checkpoint's 12 B / parameter
-        lone = est.get("total", 0) + 12 * est.get("trainable", 0) + est.get("runtime", 0) - AVERAGER_BYTES
+        trained = est.get("trainable", 0)
+        lone = est.get("total", 0) + 12 * trained + est.get("runtime", 0) - AVERAGER_BYTES_PER_PARAM * trained
         seen = mem.get("estimate_at_peak") or est
         fewer = est.get("total", 0) - seen.get("total", 0)  # activations of the microbatches never held
         whole = lone if STAGES.count(s) == 1 else est.get("total", 0) + est.get("host", 0)

@@ -6,7 +6,7 @@ import torch
 
 from node.config import NodeConfig
 from node.join import stages_that_fit
-from node.model.devices import AVERAGER_BYTES, GIB, RUNTIME_BYTES, pick_device, stage_memory_bytes
+from node.model.devices import AVERAGER_BYTES_PER_PARAM, GIB, RUNTIME_BYTES, pick_device, stage_memory_bytes
 
 
 def test_cuda_request_falls_back_to_cpu_with_a_message(caplog, monkeypatch):
@@ -130,7 +130,11 @@ def test_host_estimate_counts_the_processes_and_the_larger_copy():
     alone = stage_memory_bytes(1000, 2, 64, None, 16, 1, torch.device("cpu"))
     assert alone["host"] == 12 * 1000 + RUNTIME_BYTES  # a checkpoint's clone, the processes
     outer = stage_memory_bytes(1000, 2, 64, None, 16, 1, torch.device("cpu"), outer=True)
-    assert outer["host"] == 16 * 1000 + max(24 * 1000, 24 * 1000) + RUNTIME_BYTES + AVERAGER_BYTES
+    helper = AVERAGER_BYTES_PER_PARAM * 1000  # the forked helper's copies of the trained weights' pages
+    assert outer["host"] == 16 * 1000 + max(24 * 1000, 24 * 1000) + RUNTIME_BYTES + helper
+    # under LoRA the helper's share follows the trained tensors, not the frozen base
+    lora = stage_memory_bytes(1000, 2, 64, None, 16, 1, torch.device("cpu"), outer=True, n_adapters=10)
+    assert lora["runtime"] == RUNTIME_BYTES + AVERAGER_BYTES_PER_PARAM * 10
 
 
 def test_max_memory_limits_the_stages_a_node_claims():

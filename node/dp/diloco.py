@@ -96,7 +96,7 @@ MODES = ("diloco", "gasloc")
 STATE_VERSION = 1
 LEAVE_GRACE_S = 5.0  # a node told to stop finishes an all-reduce under way for at most this long
 AVERAGER_START_ATTEMPTS = 2  # hivemind's forked averager can deadlock at start-up; fork once more
-REPLIES_SENT_S = 5.0  # a member, its averages done, waits this long at most to return its partner's
+REPLIES_SENT_S = 5.0  # the longest a member, its averages done, waits to return its last averaged parts
 
 # Slots of the shared record between the host and the helper process (doubles; tokens < 2**53).
 _ACTIVE, _BYTES, _COMMITTED, _GROUP, _REANCHOR, _PAYLOAD, _ATTEMPTS = range(7)

@@ -47,11 +47,16 @@ def default_microbatch_tokens(device: torch.device) -> int:
 
 GIB = 1024**3
 # What a node's processes hold before any weight: Python with torch, transformers and hivemind
-# imported, the DHT process and p2pd (~0.45 GB PSS together in the demo, CPU), and DiLoCo's
-# averager helper, forked from the node (~0.37 GB PSS more). Measured, not derived: see
-# bench/results/demo.md.
+# imported, the DHT process and p2pd (~0.45 GB PSS together in the demo, CPU; by process in
+# bench/results/stage_memory.md: p2pd 0.09, DHT process 0.13, torch's shm manager 0.06).
 RUNTIME_BYTES = 450 * 10**6
-AVERAGER_BYTES = 370 * 10**6
+# DiLoCo's averager helper is a fork of the node: it shares the node's pages until the node writes
+# them, and what the node writes after the fork is its trained weights (every inner step), so the
+# helper keeps their old pages. Frozen weights stay shared. Measured on a 4-stage CPU run
+# (stage_memory.md): a replica's process tree beyond a lone stage's and beyond the outer and round
+# terms, full fine-tuning 0.42 GB for 100.7 M trained parameters (4.2 B each); LoRA ~0 for 2.3 M.
+# (Counted until 12/4 as a fixed 0.37 GB: a LoRA replica's estimate was 0.37 GB over.)
+AVERAGER_BYTES_PER_PARAM = 4
 
 
 def layer_activation_values(hidden: int, mlp: int, kv: int) -> int:
@@ -142,7 +147,7 @@ def stage_memory_bytes(
     # parameter at once. Counted as the larger of it and a checkpoint's clone: both are taken
     # between inner steps (only a clone still being written in the background can meet a round).
     round_bytes = trainable * 24 if outer else 0
-    runtime = RUNTIME_BYTES + (AVERAGER_BYTES if outer else 0)
+    runtime = RUNTIME_BYTES + (trainable * AVERAGER_BYTES_PER_PARAM if outer else 0)
     return {
         "states": states,
         "activations": activations,
