@@ -122,9 +122,11 @@ def stage_memory_bytes(
         # The tail runs forward, loss and backward of a microbatch in one compute call
         # (node.stage.pipeline), so one microbatch's activations are live there; the others in
         # flight wait as their input frames. lm_head runs only where a label is (Stage.loss): one
-        # microbatch's tokens bound its fp32 logits and their gradient.
+        # microbatch's tokens bound its fp32 logits. At the loss's backward four tokens x vocab
+        # tensors are alive: log-softmax's saved output, the gradient reaching it, its exp and the
+        # logits' gradient (counted as two until 12/4: a LoRA tail of vocab 32000 measured 1.20x).
         live, waiting = frame_tokens, tokens * hidden * act_bytes
-        logits = frame_tokens * vocab * 4 * 2
+        logits = frame_tokens * vocab * 4 * 4
     else:
         live, waiting, logits = tokens, 0, 0
     if recompute:
