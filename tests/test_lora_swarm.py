@@ -81,9 +81,12 @@ def test_outer_rounds_carry_the_adapters_only_and_replicas_agree(lora_swarm):
     assert steady, [m.get("outer_rounds") for m in rep["nodes"]]
     for stage, r in steady:
         # uncompressed fp32 in a group of two: each peer sends half its vector and returns the
-        # averaged half, 4 B x numel in all, plus protobuf headers
-        want = 4 * numel[stage]
-        assert want <= r["bytes_sent"] <= 1.05 * want + 2048, (stage, r["bytes_sent"], want)
+        # averaged half, 4 B x numel in all, plus protobuf headers; a round whose first all-reduce
+        # failed and was retried (hivemind drops a sender whose parts stop coming) counts every
+        # attempt's messages (node.dp.diloco): one whole exchange at least, one per attempt at most
+        want, tries = 4 * numel[stage], r.get("attempts", 1)
+        assert want <= r["bytes_sent"] <= tries * (1.05 * want + 2048), (stage, r["bytes_sent"], want, tries)
+    assert any(r.get("attempts", 1) == 1 for _, r in steady), steady  # one-exchange rounds among them
     assert rep["outer"]["max_replica_distance"] is not None
     replicas_agree(rep)
 
