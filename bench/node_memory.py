@@ -78,7 +78,7 @@ def run_mode(ckpt: Path, work: Path, mode: str, timeout: float, data: list[str])
     run_id = f"mem-{mode}-{int(time.time())}"
     dirs = [work / mode / str(i) for i in range(len(STAGES))]
     procs: list[subprocess.Popen] = []
-    memory = PeakMemory(by_process=True)
+    memory = PeakMemory()
     t0 = time.monotonic()
     try:
         procs.append(_join(ckpt, dirs[0], STAGES[0], run_id, [], extra))

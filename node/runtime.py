@@ -248,7 +248,7 @@ class StageRuntime(Lifecycle):
                 # estimate at that count
                 "peak_held": self.pipeline.peak_held,
                 "estimate_at_peak": (
-                    with_inflight(self.memory_estimate, self.pipeline.peak_held or self.gate.peak)
+                    with_inflight(self.memory_estimate, self.pipeline.peak_held)
                     if self.memory_estimate
                     else None
                 ),

@@ -10,13 +10,15 @@ from node.local.launcher import read_metrics, start_node, stop_nodes, tail_steps
 from node.local.report import build_report
 from tests.conftest import wait_for
 
+NODES = 4  # stages [0, 1, 0, 1]: the tail replicated
+
 
 def test_kill_a_replica_swarm_continues_and_node_rejoins(tmp_path):
     args = build_parser().parse_args(
         [
             "swarm",
             "--nodes",
-            "4",  # stages [0, 1, 0, 1]: the tail replicated
+            str(NODES),
             "--stages",
             "2",
             "--model",
@@ -38,22 +40,22 @@ def test_kill_a_replica_swarm_continues_and_node_rejoins(tmp_path):
         procs.append(proc)
         stages.append(ready["stage"])
         peers = [f"{ready['maddrs'][0]}/p2p/{ready['peer_id']}"]
-        for i in range(1, 4):
+        for i in range(1, NODES):
             proc, ready = start_node(args, i, tmp_path, run_id, peers)
             procs.append(proc)
             stages.append(ready["stage"])
         assert sorted(stages).count(1) >= 2, stages  # the tail stage is replicated
         victim = max(i for i, s in enumerate(stages) if s == 1)
-        wait_for(lambda: tail_steps(read_metrics(tmp_path, 4), 2) >= 10, 120, "10 steps before the kill")
+        wait_for(lambda: tail_steps(read_metrics(tmp_path, NODES), 2) >= 10, 120, "10 steps before the kill")
         victim_id = json.loads((tmp_path / "nodes" / str(victim) / "ready.json").read_text())["peer_id"]
 
         os.kill(procs[victim].pid, signal.SIGKILL)
         procs[victim].wait(timeout=10)
         killed_at = time.monotonic()
-        steps_at_kill = tail_steps(read_metrics(tmp_path, 4), 2)
+        steps_at_kill = tail_steps(read_metrics(tmp_path, NODES), 2)
         # training goes on through the surviving tail replica within a bounded time
         wait_for(
-            lambda: tail_steps(read_metrics(tmp_path, 4), 2) >= steps_at_kill + 10,
+            lambda: tail_steps(read_metrics(tmp_path, NODES), 2) >= steps_at_kill + 10,
             60,
             "10 steps after the kill",
         )
@@ -66,14 +68,14 @@ def test_kill_a_replica_swarm_continues_and_node_rejoins(tmp_path):
         assert ready["peer_id"] == victim_id
 
         def rejoined():
-            m = next((m for m in read_metrics(tmp_path, 4) if m["peer_id"] == victim_id), None)
+            m = next((m for m in read_metrics(tmp_path, NODES) if m["peer_id"] == victim_id), None)
             return m if m and m["microbatches"] > 0 else None
 
         m = wait_for(rejoined, 90, "the restarted node to serve microbatches")
         assert m["state_pull_bytes"] > 0
     finally:
         stop_nodes(procs, stages)
-    rep = build_report(read_metrics(tmp_path, 4), 2)
+    rep = build_report(read_metrics(tmp_path, NODES), 2)
     loss = rep["loss"]
     assert sum(loss[-5:]) / 5 < sum(loss[:5]) / 5
     served = sum(rep["microbatches_per_peer"].values())

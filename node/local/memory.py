@@ -73,13 +73,12 @@ def parts(pids: list[int]) -> dict[str, int]:
 
 
 class PeakMemory:
-    """The largest PSS each node's tree reached, and the largest the swarm's reached together;
-    with ``by_process``, each tree's processes at the sample where it peaked."""
+    """The largest PSS each node's tree reached (and, in ``at_peak``, its processes at that sample),
+    and the largest the swarm's reached together."""
 
-    def __init__(self, by_process: bool = False) -> None:
+    def __init__(self) -> None:
         self.per_node: dict[int, int] = {}
         self.at_peak: dict[int, dict[str, int]] = {}
-        self.by_process = by_process
         self.total = 0
 
     def sample(self, pids: list[int | None]) -> None:
@@ -90,13 +89,10 @@ class PeakMemory:
         for i, pid in enumerate(pids):
             if pid is None:
                 continue
-            procs = tree(pid, children)
-            split = parts(procs) if self.by_process else {}
-            n = sum(split.values()) if self.by_process else sum(pss(p) for p in procs)
+            split = parts(tree(pid, children))
+            n = sum(split.values())
             if n > self.per_node.get(i, 0):
-                self.per_node[i] = n
-                if self.by_process:
-                    self.at_peak[i] = split
+                self.per_node[i], self.at_peak[i] = n, split
             now += n
         self.total = max(self.total, now)
 

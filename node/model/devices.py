@@ -53,8 +53,8 @@ RUNTIME_BYTES = 450 * 10**6
 # DiLoCo's averager helper is a fork of the node: it shares the node's pages until the node writes
 # them, and what the node writes after the fork is its trained weights (every inner step), so the
 # helper keeps their old pages. Frozen weights stay shared. Measured on a 4-stage CPU run
-# (stage_memory.md): a replica's process tree beyond a lone stage's and beyond the outer and round
-# terms, full fine-tuning 0.42 GB for 100.7 M trained parameters (4.2 B each); LoRA ~0 for 2.3 M.
+# (stage_memory.md): the helper's PSS 0.59-0.64 GB under full fine-tuning against 0.20-0.24 GB
+# under LoRA for the same stage, ~0.4 GB for 100.7 M trained parameters (4.0 B each).
 # (Counted until 12/4 as a fixed 0.37 GB: a LoRA replica's estimate was 0.37 GB over.)
 AVERAGER_BYTES_PER_PARAM = 4
 
