@@ -80,9 +80,11 @@ from bench.quality_tasks import (
     task_stream,
 )
 from compression.spectral import SpectralFilter, filter_gradients, is_target_matrix
+from node.model.adapters import add_adapters
 from node.model.data import ByteTokenizer, Example, collate, tokenize
 from node.model.loading import load_model
 from protocol.frames import pack_labels
+from protocol.settings import FinetuneSettings
 
 
 @dataclass
@@ -180,6 +182,10 @@ def trial(
     model.train()
     pad = tok.eos_token_id
     pipe = Pipeline(model, setup.ranges)
+    finetune = FinetuneSettings(mode=variant.finetune)
+    adapters = 0
+    if finetune.mode == "lora":  # each stage its own seeded adapters, the base frozen, as a node does
+        adapters = sum(add_adapters(st, finetune, seed) for st in pipe.stages)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=variant.lr or LR, weight_decay=0.0, fused=True)
     sized = dict(batch=setup.batch, seq_len=setup.seq_len)
@@ -331,6 +337,10 @@ def trial(
         "eval_loss_curve": eval_curve,
         "eval_s": eval_s,
         "wall_s": time.perf_counter() - t_start,
+        "finetune": finetune.mode,
+        "lr": variant.lr or LR,
+        "trained_params": sum(p.numel() for p in params),
+        "adapter_modules": adapters,
         "threads": torch.get_num_threads(),
         "commit": git_commit(),
         "em_method": "greedy decoding stopped at EOS (node.model.evaluate.exact_match)",

@@ -120,6 +120,10 @@ class Variant:
     refresh: int = 0  # basis codecs: refit and republish the basis every `refresh` steps
     lr: float = 0.0  # AdamW learning rate; 0: the bench's LR
     anchor: dict | None = None  # anchor priors: SpectralFilter settings + schedule
+    # what trains: every weight ("full"), or the node's seeded LoRA adapters over the frozen base
+    # ("lora", node.model.adapters with protocol.settings.FinetuneSettings' defaults: r 16, alpha 32,
+    # q/k/v/o/gate/up/down)
+    finetune: str = "full"
     note: str = ""
 
     @property
@@ -135,6 +139,8 @@ class Variant:
             parts.append(f"basis-refresh-{self.refresh}")
         if self.lr:
             parts.append(f"lr-{self.lr:g}")
+        if self.finetune != "full":
+            parts.append(f"finetune-{self.finetune}")
         if self.anchor:
             a = self.anchor
             tau = f"tau={a['tau']}" + ("*s1" if a.get("tau_relative") else "")
@@ -158,6 +164,9 @@ _T24_88A = {
     "basis_dtype": "int8",
     "basis_block": 32,
 }
+
+# the short-frame default link (node.stage.links.lowrank_layout below 2048-token microbatches)
+_K80 = {"k": 80, "basis_dtype": "int8", "basis_block": 32}
 
 VARIANTS: dict[str, Variant] = {
     v.name: v
@@ -215,7 +224,7 @@ VARIANTS: dict[str, Variant] = {
         Variant("lowrank64i8b8k32", "lowrank", {"k": 64, "basis_dtype": "int8", "basis_block": 32}),
         Variant("lowrank48i8b8k32", "lowrank", {"k": 48, "basis_dtype": "int8", "basis_block": 32}),
         # k = 80: the largest k still >= 10x below dense at 2048-token frames (110.5 B/token, H = 576)
-        Variant("lowrank80i8b8k32", "lowrank", {"k": 80, "basis_dtype": "int8", "basis_block": 32}),
+        Variant("lowrank80i8b8k32", "lowrank", dict(_K80)),
         # diagnostics: which direction of the default link holds back the word task
         Variant(
             "lowrank80-fwd-only",
@@ -281,5 +290,13 @@ VARIANTS: dict[str, Variant] = {
         Variant("paper-m95", "mask", {"rate": 0.95}, warmup=10, lr=2e-5),
         # their reference: dense at the same lr 2e-5 from the first step (the warm-up never ends)
         Variant("paper-dense", "dense", {"wire_dtype": "bfloat16"}, lr=2e-5),
+        # issue 32: LoRA adapters against full fine-tuning through the short-frame default link
+        # (lowrank80i8b8k32, what a CPU starter's frames resolve to), each at its own learning rate:
+        # full at the bench's 1e-4, LoRA at make demo's 1e-3 (and a factor 2 either side)
+        *(
+            Variant(f"lora-{lr:g}-lowrank80", "lowrank", dict(_K80), lr=lr, finetune="lora")
+            for lr in (5e-4, 1e-3, 2e-3)
+        ),
+        Variant("lora-0.001-dense", "dense", {"wire_dtype": "bfloat16"}, lr=1e-3, finetune="lora"),
     ]
 }

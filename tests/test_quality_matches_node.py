@@ -22,7 +22,7 @@ def test_the_bench_default_link_is_the_nodes():
     assert build_codec(VARIANTS[DEFAULT_LINK]).describe() == codec_settings(NodeConfig())
 
 
-@pytest.mark.parametrize("variant", ["dense", DEFAULT_LINK])
+@pytest.mark.parametrize("variant", ["dense", DEFAULT_LINK, "lora-0.001-lowrank80"])
 def test_bench_scores_equal_the_nodes_evaluation(variant):
     torch.set_num_threads(1)
     t = trial(VARIANTS[variant], "arithmetic", seed=0, steps=10, n_eval=12, log_every=10, setup=TINY)
@@ -40,3 +40,26 @@ def test_bench_scores_equal_the_nodes_evaluation(variant):
     assert bench_outs == exact_match(t.model, t.tok, t.evals, budget)[1] and all(bench_outs)
     if variant != "dense":  # the codec-on numbers went through the link
         assert rec["eval_loss_codec"] != rec["eval_loss"]
+
+
+def test_a_lora_run_trains_the_adapters_only():
+    """The bench's LoRA variant trains the node's seeded adapters (node.model.adapters) and leaves
+    every base weight as loaded; what it reports as trained is what moved."""
+    from node.model.loading import load_model
+
+    torch.set_num_threads(1)
+    t = trial(VARIANTS["lora-0.001-lowrank80"], "arithmetic", seed=0, steps=4, n_eval=2, log_every=4, setup=TINY)
+    torch.manual_seed(0)  # trial seeds before it loads, so this is the same random base
+    base = dict(load_model(TINY.model)[0].named_parameters())
+    moved, kept = 0, 0
+    for name, p in t.model.named_parameters():
+        if ".lora_" in name:
+            moved += p.numel()
+            if ".lora_B." in name:  # B starts at zero (the adapted model starts as the base)
+                assert p.abs().max() > 0, f"{name} never trained"
+        else:
+            src = base[name.replace(".base_layer.", ".")]
+            assert torch.equal(p, src), f"base weight {name} changed"
+            kept += 1
+    assert t.record["finetune"] == "lora" and t.record["trained_params"] == moved > 0
+    assert kept == len(base)
