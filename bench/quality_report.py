@@ -204,6 +204,67 @@ def frame_plots(runs: list[dict], out: Path) -> Path:
     return p
 
 
+def finetune_table(runs: list[dict]) -> str:
+    """LoRA against full fine-tuning (issue 32): runs that record what they trained, one row per
+    task, mode, learning rate and link, EM per seed with the weights run dense."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in runs:
+        groups[(r["task"], r["finetune"], r["lr"], r["codec"], r["steps"])].append(r)
+    out = [
+        "| task | fine-tuning | lr | link | steps | seeds | EM per seed (dense weights) | EM mean | "
+        "eval loss mean | trained parameters | s/step |",
+        "|---|---|---:|---|---:|---|---|---:|---:|---:|---:|",
+    ]
+    for (task, mode, lr, codec, steps), g in sorted(groups.items()):
+        g = sorted(g, key=lambda r: r["seed"])
+        out.append(
+            f"| {task} | {mode} | {lr:g} | {codec} | {steps} | {','.join(str(r['seed']) for r in g)} | "
+            f"{' / '.join(format(r['em_dense_eval'], '.3f') for r in g)} | "
+            f"{statistics.mean(r['em_dense_eval'] for r in g):.3f} | "
+            f"{statistics.mean(r['eval_loss'] for r in g):.3f} | {g[0]['trained_params'] / 1e6:.2f} M | "
+            f"{statistics.mean(r['step_time_s'] for r in g):.1f} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def finetune_plot(runs: list[dict], out: Path) -> Path:
+    """Held-out loss (32 problems, weights run dense) against step, one panel per task: full
+    fine-tuning and LoRA at each learning rate, seed 0 solid, other seeds dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({r["task"] for r in runs})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4.2), squeeze=False)
+    configs = sorted({(r["finetune"], r["lr"]) for r in runs})
+    colour = {c: f"C{i}" for i, c in enumerate(configs)}
+    for ax, task in zip(axes[0], tasks):
+        mine = [r for r in runs if r["task"] == task]
+        mine.sort(key=lambda r: (r["finetune"], r["lr"], r["seed"]))
+        for r in mine:
+            c = (r["finetune"], r["lr"])
+            xs, ys = zip(*r["eval_loss_curve"])
+            ax.plot(
+                xs,
+                ys,
+                color=colour[c],
+                ls="-" if r["seed"] == 0 else "--",
+                label=f"{c[0]} lr {c[1]:g} seed {r['seed']} (EM {r['em_dense_eval']:.2f})",
+            )
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_ylabel("held-out loss (32 problems)")
+        ax.set_title(f"{task}: LoRA r16 vs full, 16-problem frames")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    p = out / "lora_vs_full.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
 def _settings(r: dict) -> str:
     hidden = ("codec", "scale_dtype") if r["codec"] == "lowrank" else ("codec", "basis_dtype", "scale_dtype")
     s = {k: v for k, v in r["codec_settings"].items() if k not in hidden}
@@ -318,9 +379,14 @@ def main(argv=None) -> int:
     md = tables(runs)
     if framed:
         md += "\n" + frame_tables(framed)
+    # LoRA against full fine-tuning: the runs that record what they trained (issue 32 on)
+    tuned = [r for r in runs if "finetune" in r and r["steps"]]
+    if tuned:
+        md += "\n### LoRA against full fine-tuning\n\n" + finetune_table(tuned)
     (out / "quality_tables.md").write_text(md + "\n")
     print(md)
-    for p in (plots(runs, out) if runs else []) + ([frame_plots(framed, out)] if framed else []):
+    written = (plots(runs, out) if runs else []) + ([frame_plots(framed, out)] if framed else [])
+    for p in written + ([finetune_plot(tuned, out)] if tuned else []):
         print("wrote", p)
     return 0
 
