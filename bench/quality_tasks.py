@@ -60,7 +60,87 @@ def word_example(rng: random.Random) -> Example:
     return Example(prompt=prompt, completion=f" {ans}")
 
 
-TASKS = {"arithmetic": arithmetic_example, "word": word_example, "ordering": ordering_example}
+def _carries(a: int, b: int, op: str) -> int:
+    """Column carries of a + b, or borrows of a - b (a >= b), counted right to left."""
+    n, c = 0, 0
+    while a or b:
+        da, db = a % 10, b % 10
+        c = int(da + db + c > 9) if op == "+" else int(da - db - c < 0)
+        n += c
+        a, b = a // 10, b // 10
+    return n
+
+
+def carry_example(rng: random.Random) -> Example:
+    """3-digit addition or subtraction with at least two carries (borrows), e.g. ``Q: 478+365=\nA:``
+    -> `` 843``. Each answer digit depends on the carry chain below it, and the answer is written
+    from its top digit, so the chain has to be resolved before the first digit (the 2-digit
+    ``arithmetic`` task mostly has none); the operator is read from the prompt. Rejection-sampled
+    from uniform 3-digit pairs, so the numbers stay uniform given the carry count."""
+    op = "+" if rng.random() < 0.5 else "-"
+    while True:
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        if op == "-" and a < b:
+            a, b = b, a
+        if _carries(a, b, op) >= 2:
+            return Example(prompt=f"Q: {a}{op}{b}=\nA:", completion=f" {a + b if op == '+' else a - b}")
+
+
+_GAIN = ["buys {k} more", "finds {k} more", "is given {k} more"]
+_LOSS = ["loses {k}", "sells {k}", "uses {k}"]
+
+
+def multistep_example(rng: random.Random) -> Example:
+    """Word problem of two or three operations on two people's counts, e.g. ``Q: Tom has 45 pens.
+    Anna has 17 more pens than Tom. Anna gives Tom 12 pens. How many pens does Anna have now?\nA:``
+    -> `` 50``. Anna's count is stated relative to Tom's, then one or two events change one or both
+    (a gift moves pens from one to the other: one number, two updates), and the question names one
+    of them: the answer needs every operation that touches that person, at least two of them, and
+    none of the others (which are distractors). Counts stay positive; numbers are 2-digit."""
+    item = rng.choice(_ITEMS)
+    while True:
+        p, q = rng.sample(_NAMES, 2)
+        a, d = rng.randint(20, 89), rng.randint(10, 49)
+        more = rng.random() < 0.5
+        if not more and a - d < 1:
+            continue
+        have = {p: a, q: a + d if more else a - d}
+        touched = {p: 0, q: 1}  # operations applied to each count so far (q's relation is one)
+        sents = [f"{p} has {a} {item}.", f"{q} has {d} {'more' if more else 'fewer'} {item} than {p}."]
+        ok = True
+        for _ in range(rng.randint(1, 2)):
+            k = rng.randint(10, 49)
+            kind = rng.random()
+            x = rng.choice((p, q))
+            if kind < 0.4:  # a gift between the two
+                y = q if x == p else p
+                ok &= have[x] > k
+                have[x], have[y] = have[x] - k, have[y] + k
+                touched[x], touched[y] = touched[x] + 1, touched[y] + 1
+                sents.append(f"{x} gives {y} {k} {item}.")
+            elif kind < 0.7:
+                have[x] += k
+                touched[x] += 1
+                sents.append(f"{x} {rng.choice(_GAIN).format(k=k)}.")
+            else:
+                ok &= have[x] > k
+                have[x] -= k
+                touched[x] += 1
+                sents.append(f"{x} {rng.choice(_LOSS).format(k=k)}.")
+        asked = [n for n in (p, q) if touched[n] >= 2]
+        if ok and asked:
+            who = rng.choice(asked)
+            prompt = f"Q: {' '.join(sents)} How many {item} does {who} have now?\nA:"
+            return Example(prompt=prompt, completion=f" {have[who]}")
+
+
+TASKS = {
+    "arithmetic": arithmetic_example,
+    "word": word_example,
+    "ordering": ordering_example,
+    "carry": carry_example,
+    "multistep": multistep_example,
+}
 
 
 def task_stream(task: str, seed: int):
