@@ -272,6 +272,15 @@ class NodeConfig:
         group=RUN,
         resolved=True,
     )  # lowrank: the sink position in the shared code or its own; node.stage.links.lowrank_layout
+    lowrank_entropy: str = opt(
+        "off",
+        help="lowrank codec: entropy code the integer fields (int8 basis, 8- and 4-bit codes) with each "
+        "frame's own histogram; lossless (the same decoded tensors, fewer bytes) "
+        "(default: %(default)s)",
+        choices=("off", "on"),
+        group=RUN,
+        resolved=True,
+    )  # lowrank: a lossless stage after the codes (compression.entropy); node.stage.links.lowrank_layout
     lowrank_fit: str = opt(
         "all",
         help="lowrank codec: the rows the forward's basis is fitted to: all alike, or loss-share (the "

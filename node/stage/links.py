@@ -94,6 +94,8 @@ def codec_settings(cfg: NodeConfig, model=None) -> dict:
             kw["first_apart"] = True
         if cfg.lowrank_fit == "loss-share":
             kw["loss_share"] = True
+        if cfg.lowrank_entropy == "on":
+            kw["entropy"] = True
     elif name in ("topk", "bottleneck"):
         kw = {"k": k}
     else:
