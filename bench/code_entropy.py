@@ -10,6 +10,15 @@ bit-identical, so the learning of the link is unchanged by construction: this bo
 coding alone buys before any change to what the link keeps (issue 35).
 
     python -m bench.code_entropy --frames 4 --out bench/results/code_entropy.json
+
+``--mode coder`` runs the real lossless stage instead (``compression.entropy``, the codec's
+``entropy=True``): the same frames through the codec with and without it, every decoded tensor
+checked bit-identical, the bytes of the payloads as sent, the time the codec and the stage take
+per frame (``--reps`` timings, the fastest kept: the CPU is shared), and two probes of what is
+left: rows a forward frame repeats exactly, and how much of each frame's basis the previous
+frame's basis predicts (bench/results/entropy.md).
+
+    python -m bench.code_entropy --mode coder --frames 8 --out bench/results/entropy.json
 """
 
 from __future__ import annotations
@@ -18,14 +27,19 @@ import argparse
 import json
 import lzma
 import math
+import statistics
+import time
 import zlib
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from bench.quality_tasks import SEQ_LEN, step_frames, task_stream
-from compression.codec import LinkContext
+from compression.baselines import dequantize_blockwise
+from compression.codec import LinkContext, payload_nbytes
 from compression.registry import make_codec
 from node.model.data import collate, tokenize
 from node.model.loading import load_model
@@ -50,8 +64,9 @@ def field_symbols(name: str, t: torch.Tensor) -> list[int] | None:
     return None
 
 
-def default_codec():
-    """The codec a GPU starter's run publishes (node.stage.links: LONG_FRAME_LAYOUT)."""
+def default_codec(entropy: bool = False):
+    """The codec a GPU starter's run publishes (node.stage.links: LONG_FRAME_LAYOUT), with the
+    lossless stage on or off."""
     tiers = parse_tiers(LONG_FRAME_LAYOUT["lowrank_tiers"])
     return make_codec(
         "lowrank",
@@ -62,25 +77,35 @@ def default_codec():
         tiers=tiers,
         backward_tiers=tiers,
         first_apart=LONG_FRAME_LAYOUT["lowrank_first"] == "apart",
+        entropy=entropy,
     )
 
 
-def measure(frames: int, frame_tokens: int) -> dict:
+def boundary_frames(frames: int, frame_tokens: int):
+    """(token ids, boundary activations, their loss gradient, link context) of ``frames`` word-task
+    frames through the bundled model split as a 2-stage swarm splits it; and the boundary."""
     model, tok, _ = load_model("bundled")
     ranges = default_stage_ranges(model, 2)  # the split a 2-stage swarm uses
     head = build_stage(model, ranges, 0, keep_model=True)
     tail = build_stage(model, ranges, 1)
-    pad = tok.eos_token_id
+    out = []
+    for frame in step_frames(task_stream("word", 0), tok, frames, frame_tokens):
+        ids, labels = collate([tokenize(tok, ex, SEQ_LEN) for ex in frame], tok.eos_token_id)
+        x = head(ids).detach().requires_grad_(True)
+        tail.loss(x, labels)[0].backward()
+        out.append((ids, x.detach(), x.grad.detach(), LinkContext(loss_rows=loss_rows(labels))))
+        tail.zero_grad(set_to_none=True)
+    return out, ranges[0][1]
+
+
+def measure(frames: int, frame_tokens: int) -> dict:
+    data, boundary = boundary_frames(frames, frame_tokens)
     codec = default_codec()
     rows = {"forward": Counter(), "backward": Counter()}
     tokens = 0
-    for frame in step_frames(task_stream("word", 0), tok, frames, frame_tokens):
-        ids, labels = collate([tokenize(tok, ex, SEQ_LEN) for ex in frame], pad)
-        x = head(ids).detach().requires_grad_(True)
-        tail.loss(x, labels)[0].backward()
-        ctx = LinkContext(loss_rows=loss_rows(labels))
+    for ids, xd, grad, ctx in data:
         tokens += ids.numel()
-        for direction, t in (("forward", x.detach()), ("backward", x.grad)):
+        for direction, t in (("forward", xd), ("backward", grad)):
             enc = codec.encode_forward if direction == "forward" else codec.encode_backward
             c = rows[direction]
             for name, v in enc(t, ctx).items():
@@ -93,8 +118,7 @@ def measure(frames: int, frame_tokens: int) -> dict:
                     c["codes:zlib"] += len(zlib.compress(raw, 9))
                     c["codes:lzma"] += len(lzma.compress(raw, preset=9))
                 c["all:sent"] += len(raw)
-        tail.zero_grad(set_to_none=True)
-    out = {"frames": frames, "tokens": tokens, "boundary": ranges[0][1]}
+    out = {"frames": frames, "tokens": tokens, "boundary": boundary}
     for direction, c in rows.items():
         per = {k: v / tokens for k, v in c.items()}
         out[direction] = {
@@ -109,13 +133,173 @@ def measure(frames: int, frame_tokens: int) -> dict:
     return out
 
 
+def _fastest(fn, reps: int) -> tuple[object, float]:
+    """``fn()``'s result and its fastest wall time of ``reps`` calls (others share these cores)."""
+    best, out = math.inf, None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return out, best
+
+
+class _Timed:
+    """Time spent in the codec's entropy stage itself (both ends), per call, fastest of the reps."""
+
+    def __init__(self, codec):
+        self.calls: dict[str, list[float]] = {"encode": [], "decode": []}
+        for what, name in (("encode", "_entropy_code"), ("decode", "_entropy_decode")):
+            setattr(codec, name, self._wrap(getattr(codec, name), what))
+
+    def _wrap(self, fn, what: str):
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            self.calls[what].append(time.perf_counter() - t0)
+            return out
+
+        return timed
+
+    def take(self, what: str) -> float:
+        best, self.calls[what] = min(self.calls[what]), []
+        return best
+
+
+def duplicate_rows(x: torch.Tensor) -> int:
+    """Rows of a forward frame (after each sequence's first position, coded apart) that repeat an
+    earlier row exactly: the same token prefix gives the same activations (a shared prompt)."""
+    rows = x[:, 1:].reshape(-1, x.shape[-1])
+    return rows.shape[0] - torch.unique(rows, dim=0).shape[0]
+
+
+def _entropy_bits(a: np.ndarray) -> float:
+    _, c = np.unique(a, return_counts=True)
+    return float(-(c * np.log2(c / c.sum())).sum())
+
+
+def basis_probe(prev: dict, new: dict, block: int) -> dict:
+    """How much of ``new``'s int8 basis (``vq``, ``vscale``) the previous frame's predicts.
+
+    Overlap: the share of each new direction's energy inside the previous basis' span (1: the
+    span did not move). Lossless prediction: each new direction takes the previous direction it is
+    most aligned with (index and sign, 1 byte), the codes are sent as the difference from that
+    direction rounded onto the new block scales; order-0 entropy of those differences against that
+    of the codes themselves (tables and indices counted)."""
+    vp = dequantize_blockwise(prev["vq"], prev["vscale"], block)
+    vn = dequantize_blockwise(new["vq"], new["vscale"], block)
+    proj = vn @ vp.T  # (k_new, k_prev): cosines, rows are unit vectors up to rounding
+    inside = proj.pow(2).sum(dim=1) / vn.pow(2).sum(dim=1)
+    best = proj.abs().argmax(dim=1)
+    cos = proj.gather(1, best[:, None]).squeeze(1)
+    pred = vp[best] * torch.sign(cos)[:, None]
+    sn = new["vscale"].float().repeat_interleave(block, dim=1)[:, : vn.shape[1]]
+    guess = torch.round(pred / torch.where(sn > 0, sn, 1.0)).clamp(-127, 127)
+    diff = (new["vq"].to(torch.int64) - guess.to(torch.int64)).numpy()
+    table = 2 + 256  # a per-frame table as compression.entropy sends it
+    k = vn.shape[0]
+    return {
+        "span_overlap_mean": float(inside.mean()),
+        "span_overlap_top16": float(inside[:16].mean()),
+        "span_overlap_last32": float(inside[-32:].mean()),
+        "matched_abs_cos_mean": float(cos.abs().mean()),
+        "codes_bytes_order0": _entropy_bits(new["vq"].numpy()) / 8 + table,
+        "diff_bytes_order0": _entropy_bits(diff) / 8 + 2 * table + k,  # wider alphabet, indices
+        "raw_bytes": new["vq"].numel(),
+    }
+
+
+def measure_coder(frames: int, frame_tokens: int, reps: int) -> dict:
+    """The real lossless stage on the default long-frame link: bytes and times, both directions."""
+    data, boundary = boundary_frames(frames, frame_tokens)
+    plain, coded = default_codec(), default_codec(entropy=True)
+    timer = _Timed(coded)
+    per = {d: [] for d in ("forward", "backward")}
+    probes = {d: [] for d in ("forward", "backward")}
+    prev_basis: dict[str, dict] = {}
+    dups, tokens = 0, 0
+    for ids, xd, grad, ctx in data:
+        tokens += ids.numel()
+        dups += duplicate_rows(xd)
+        for direction, t in (("forward", xd), ("backward", grad)):
+            fwd = direction == "forward"
+            rec = {"tokens": ids.numel(), "sequences": ids.shape[0]}
+            for name, codec in (("plain", plain), ("entropy", coded)):
+                enc = codec.encode_forward if fwd else codec.encode_backward
+                dec = codec.decode_forward if fwd else codec.decode_backward
+                payload, rec[f"{name}_encode_s"] = _fastest(partial(enc, t, ctx), reps)
+                decoded, rec[f"{name}_decode_s"] = _fastest(partial(dec, payload, ctx, tuple(t.shape)), reps)
+                rec[f"{name}_bytes"] = payload_nbytes(payload)
+                rec[f"{name}_decoded"] = decoded
+                if name == "entropy":
+                    rec["coded_fields"] = sorted(n for n in payload if n.startswith("e"))
+                else:
+                    basis = {"vq": payload["vq"], "vscale": payload["vscale"]}
+                    if direction in prev_basis:
+                        probes[direction].append(basis_probe(prev_basis[direction], basis, coded.basis_block))
+                    prev_basis[direction] = basis
+            if not torch.equal(rec.pop("plain_decoded"), rec.pop("entropy_decoded")):
+                raise AssertionError(f"{direction}: the entropy-coded link decoded differently")
+            rec["stage_encode_s"], rec["stage_decode_s"] = timer.take("encode"), timer.take("decode")
+            per[direction].append(rec)
+    out = {
+        "frames": frames,
+        "frame_tokens": frame_tokens,
+        "tokens": tokens,
+        "boundary": boundary,
+        "reps": reps,
+        "codec": coded.describe(),
+        "duplicate_rows": dups,
+        "per_frame": per,
+        "basis_probe": probes,
+    }
+    hidden = data[0][1].shape[-1]
+    for direction, recs in per.items():
+        tok = sum(r["tokens"] for r in recs)
+        before = sum(r["plain_bytes"] for r in recs) / tok
+        after = sum(r["entropy_bytes"] for r in recs) / tok
+        med = {k: statistics.median(r[k] for r in recs) for k in recs[0] if k.endswith("_s")}
+        codec_s = med["plain_encode_s"] + med["plain_decode_s"]
+        stage_s = med["stage_encode_s"] + med["stage_decode_s"]
+        out[direction] = {
+            "bytes_per_token_before": before,
+            "bytes_per_token_after": after,
+            "x_below_dense_bf16_before": 2 * hidden / before,
+            "x_below_dense_bf16_after": 2 * hidden / after,
+            "saved_share": 1 - after / before,
+            "median_s": med,
+            "stage_share_of_codec": stage_s / codec_s,
+        }
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=("fields", "coder"), default="fields")
     ap.add_argument("--frames", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=3, help="coder mode: timings per frame, fastest kept")
     ap.add_argument("--frame-tokens", type=int, default=2048)
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     torch.manual_seed(0)
+    torch.set_num_threads(1)  # timings on a shared 2-core machine: one thread, as a loaded node
+    if a.mode == "coder":
+        rec = measure_coder(a.frames, a.frame_tokens, a.reps)
+        for d in ("forward", "backward"):
+            r = rec[d]
+            m = r["median_s"]
+            print(
+                f"{d}: {r['bytes_per_token_before']:.1f} -> {r['bytes_per_token_after']:.1f} B/token "
+                f"({100 * r['saved_share']:.1f}% fewer; {r['x_below_dense_bf16_before']:.2f}x -> "
+                f"{r['x_below_dense_bf16_after']:.2f}x below dense bf16); per frame: codec "
+                f"{1e3 * m['plain_encode_s']:.0f} + {1e3 * m['plain_decode_s']:.0f} ms, entropy stage "
+                f"{1e3 * m['stage_encode_s']:.1f} + {1e3 * m['stage_decode_s']:.1f} ms "
+                f"({100 * r['stage_share_of_codec']:.0f}% of the codec's)"
+            )
+        dup = rec["duplicate_rows"]
+        print(f"forward rows repeating an earlier row exactly: {dup} of {rec['tokens']} tokens")
+        if a.out:
+            a.out.write_text(json.dumps(rec, indent=1))
+        return 0
     rec = measure(a.frames, a.frame_tokens)
     for d in ("forward", "backward"):
         r = rec[d]

@@ -134,4 +134,4 @@ def decode_symbols(blob: torch.Tensor, count: int, lo: int, hi: int) -> torch.Te
         )
     if levels[rel].min() == 0:  # a symbol the table says is absent: not what the sender coded
         raise ValueError("entropy-coded field decodes to a symbol its table marks absent")
-    return torch.from_numpy(rel.astype(np.int64)) + (lo + start)
+    return torch.from_numpy(rel).to(torch.int64) + (lo + start)

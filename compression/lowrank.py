@@ -260,12 +260,15 @@ class LowRankCodec(LinkCodec):
 
     def _entropy_code(self, payload: Payload, direction: str, hidden: int) -> Payload:
         for name, sname, bits, cols, block in self._int_fields(direction, hidden):
-            raw, live = payload[name], self._live(payload[sname], cols, block)
+            raw, scale = payload[name], payload[sname]
             q = unpack_int4(raw, cols) if bits == 4 else raw
-            if bool(q[~live].any()):  # not our quantiser's output: keep it as it is
-                continue
+            if bool((scale == 0).any()):  # else every code is coded: no mask to build (faster)
+                live = self._live(scale, cols, block)
+                if bool(q[~live].any()):  # not our quantiser's output: keep it as it is
+                    continue
+                q = q[live]
             qmax = 2 ** (bits - 1) - 1
-            blob = encode_symbols(q[live], -qmax, qmax, raw.numel() * raw.element_size())
+            blob = encode_symbols(q, -qmax, qmax, raw.numel() * raw.element_size())
             if blob is not None:
                 del payload[name]
                 payload["e" + name] = blob
@@ -289,10 +292,13 @@ class LowRankCodec(LinkCodec):
                 raise ValueError("lowrank basis is not a set of at most k unit vectors")
             if scale.dim() != 2 or tuple(scale.shape) != (n, math.ceil(cols / block)):
                 raise ValueError(f"lowrank {name} scales have shape {tuple(scale.shape)}, not {n} rows")
-            live = self._live(scale, cols, block)
             qmax = 2 ** (bits - 1) - 1
-            q = torch.zeros(n, cols, dtype=torch.int8, device=scale.device)
-            q[live] = decode_symbols(blob, int(live.sum()), -qmax, qmax).to(q.device, torch.int8)
+            if bool((scale == 0).any()):
+                live = self._live(scale, cols, block)
+                q = torch.zeros(n, cols, dtype=torch.int8, device=scale.device)
+                q[live] = decode_symbols(blob, int(live.sum()), -qmax, qmax).to(q.device, torch.int8)
+            else:
+                q = decode_symbols(blob, n * cols, -qmax, qmax).to(scale.device, torch.int8).view(n, cols)
             out[name] = pack_int4(q) if bits == 4 else q
         return out
 
