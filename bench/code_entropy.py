@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from bench.quality_tasks import SEQ_LEN, step_frames, task_stream
-from compression.baselines import dequantize_blockwise
+from compression.baselines import dequantize_blockwise, unpack_int4
 from compression.codec import LinkContext, payload_nbytes
 from compression.registry import make_codec
 from node.model.data import collate, tokenize
@@ -196,8 +196,15 @@ def basis_probe(prev: dict, new: dict, block: int) -> dict:
     guess = torch.round(pred / torch.where(sn > 0, sn, 1.0)).clamp(-127, 127)
     diff = (new["vq"].to(torch.int64) - guess.to(torch.int64)).numpy()
     table = 2 + 256  # a per-frame table as compression.entropy sends it
-    k = vn.shape[0]
+    k, hidden = vn.shape
+    # a direction almost inside the previous span could travel as its k coordinates there (int8 in
+    # blocks of 32, as the basis) instead of its H entries: the bytes that would save per frame
+    inside_999 = int((inside >= 0.999).sum())
+    per_dir = (hidden + 2 * math.ceil(hidden / block)) - (k + 2 * math.ceil(k / block))
     return {
+        "span_overlap_per_rank": [round(float(v), 4) for v in inside],
+        "directions_inside_999": inside_999,
+        "coordinate_saving_bytes": inside_999 * per_dir,
         "span_overlap_mean": float(inside.mean()),
         "span_overlap_top16": float(inside[:16].mean()),
         "span_overlap_last32": float(inside[-32:].mean()),
@@ -208,6 +215,47 @@ def basis_probe(prev: dict, new: dict, block: int) -> dict:
     }
 
 
+def _cdf(z: np.ndarray, family: str) -> np.ndarray:
+    """The standard Laplace (scale 1) or Gaussian CDF at ``z``."""
+    if family == "laplace":
+        return np.where(z < 0, 0.5 * np.exp(np.minimum(z, 0)), 1 - 0.5 * np.exp(-np.maximum(z, 0)))
+    return 0.5 * (1 + torch.special.erf(torch.from_numpy(z / math.sqrt(2))).numpy())
+
+
+def _quantized_bits(counts: np.ndarray, values: np.ndarray, family: str) -> float:
+    """Bits of symbols with ``counts`` at integer ``values`` under the best single-scale zero-mean
+    quantized Laplace or Gaussian (a grid of scales; its 2-byte parameter counted by the caller)."""
+    best = math.inf
+    for scale in np.geomspace(0.3, 200.0, 160):
+        prob = np.maximum(_cdf((values + 0.5) / scale, family) - _cdf((values - 0.5) / scale, family), 1e-12)
+        best = min(best, float(-(counts * np.log2(prob / prob.sum())).sum()))
+    return best
+
+
+def model_probe(payload: dict, fields: list[tuple[str, str, int, int, int]]) -> dict:
+    """Bytes of each integer field of an uncoded payload under the candidate models of
+    ``compression.entropy`` (codes in zero-scale blocks left out, as the stage leaves them out):
+    order-0 with its table (what the stage sends), the best quantized Laplace / Gaussian, and one
+    table per column (entropy alone, a lower bound, plus the tables it would need)."""
+    out = {}
+    for name, sname, bits, cols, block in fields:
+        raw = payload[name]
+        q = unpack_int4(raw, cols) if bits == 4 else raw
+        live = (payload[sname] != 0).repeat_interleave(block, dim=1)[:, :cols]
+        col = torch.arange(cols).expand_as(q)[live].numpy()
+        sym = q[live].to(torch.int64).numpy()
+        values, counts = np.unique(sym, return_counts=True)
+        table = 2 + len(values)
+        out[name] = {
+            "raw": raw.numel() * raw.element_size(),
+            "order0": _entropy_bits(sym) / 8 + table,
+            "laplace": _quantized_bits(counts, values, "laplace") / 8 + 2,
+            "gaussian": _quantized_bits(counts, values, "gaussian") / 8 + 2,
+            "per_column": sum(_entropy_bits(sym[col == c]) / 8 + table for c in range(cols)),
+        }
+    return out
+
+
 def measure_coder(frames: int, frame_tokens: int, reps: int) -> dict:
     """The real lossless stage on the default long-frame link: bytes and times, both directions."""
     data, boundary = boundary_frames(frames, frame_tokens)
@@ -215,6 +263,7 @@ def measure_coder(frames: int, frame_tokens: int, reps: int) -> dict:
     timer = _Timed(coded)
     per = {d: [] for d in ("forward", "backward")}
     probes = {d: [] for d in ("forward", "backward")}
+    models = {d: [] for d in ("forward", "backward")}
     prev_basis: dict[str, dict] = {}
     dups, tokens = 0, 0
     for ids, xd, grad, ctx in data:
@@ -229,10 +278,12 @@ def measure_coder(frames: int, frame_tokens: int, reps: int) -> dict:
                 payload, rec[f"{name}_encode_s"] = _fastest(partial(enc, t, ctx), reps)
                 decoded, rec[f"{name}_decode_s"] = _fastest(partial(dec, payload, ctx, tuple(t.shape)), reps)
                 rec[f"{name}_bytes"] = payload_nbytes(payload)
+                rec[f"{name}_fields"] = {n: v.numel() * v.element_size() for n, v in payload.items()}
                 rec[f"{name}_decoded"] = decoded
                 if name == "entropy":
                     rec["coded_fields"] = sorted(n for n in payload if n.startswith("e"))
                 else:
+                    models[direction].append(model_probe(payload, coded._int_fields(direction, t.shape[-1])))
                     basis = {"vq": payload["vq"], "vscale": payload["vscale"]}
                     if direction in prev_basis:
                         probes[direction].append(basis_probe(prev_basis[direction], basis, coded.basis_block))
@@ -268,8 +319,53 @@ def measure_coder(frames: int, frame_tokens: int, reps: int) -> dict:
             "saved_share": 1 - after / before,
             "median_s": med,
             "stage_share_of_codec": stage_s / codec_s,
+            "models_per_token": {
+                f: {m: sum(p[f][m] for p in models[direction]) / tok for m in models[direction][0][f]}
+                for f in models[direction][0]
+            },
+            "fields_per_token": {
+                name: {
+                    f: sum(r[f"{name}_fields"].get(f, 0) for r in recs) / tok
+                    for f in recs[-1][f"{name}_fields"]
+                }
+                for name in ("plain", "entropy")
+            },
         }
     return out
+
+
+def plot_coder(rec: dict, path: Path) -> None:
+    """Bytes before/after per direction, and how much of each basis direction (by rank) lies in
+    the previous frame's span."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    dirs = ("forward", "backward")
+    for i, (key, label) in enumerate(
+        (("bytes_per_token_before", "lowrank"), ("bytes_per_token_after", "+ entropy"))
+    ):
+        vals = [rec[d][key] for d in dirs]
+        bars = a.bar([j + 0.38 * i for j in range(2)], vals, 0.38, label=label)
+        a.bar_label(bars, fmt="%.1f", fontsize=8)
+    a.set_xticks([0.19, 1.19], dirs)
+    a.set_ylabel("B/token per boundary")
+    a.set_title(f"{rec['frame_tokens']}-token word frames, H = 576 (dense bf16: 1152)", fontsize=9)
+    a.legend(fontsize=8, loc="lower right")
+    for d in dirs:
+        probes = rec["basis_probe"][d]
+        k = len(probes[0]["span_overlap_per_rank"])
+        mean = [statistics.mean(p["span_overlap_per_rank"][j] for p in probes) for j in range(k)]
+        b.plot(range(k), mean, label=d)
+    b.set_xlabel("basis direction (rank)")
+    b.set_ylabel("energy inside the previous frame's span")
+    b.set_title("per-frame basis against the previous frame's", fontsize=9)
+    b.legend(fontsize=8)
+    b.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main(argv=None) -> int:
@@ -279,6 +375,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="coder mode: timings per frame, fastest kept")
     ap.add_argument("--frame-tokens", type=int, default=2048)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--plot", type=Path, default=None, help="coder mode: a PNG of the bytes and the basis probe"
+    )
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(1)  # timings on a shared 2-core machine: one thread, as a loaded node
@@ -299,6 +398,8 @@ def main(argv=None) -> int:
         print(f"forward rows repeating an earlier row exactly: {dup} of {rec['tokens']} tokens")
         if a.out:
             a.out.write_text(json.dumps(rec, indent=1))
+        if a.plot:
+            plot_coder(rec, a.plot)
         return 0
     rec = measure(a.frames, a.frame_tokens)
     for d in ("forward", "backward"):

@@ -35,9 +35,14 @@ DEFAULT_K = {"lowrank": 80, "pca": 96, "topk": 96, "bottleneck": 96}
 # CPU starter's --microbatch examples, ~136 tokens in `make demo`): 80 directions at 8 bits and
 # position 0 in the shared code, since there a 112-direction basis and the sinks' own code cost
 # more per token than they save.
+# The lossless entropy stage (--lowrank-entropy) stays off in both: on the bundled model's 2048-token
+# frames it sends 7.0% fewer bytes forward and 12.7% backward (110.0 -> 102.3 / 96.1 B/token, the
+# decoded tensors bit-identical), but it costs the compute thread ~19 / ~29 ms per frame (both ends,
+# one loaded CPU core) to save ~1.6 / ~2.8 ms of wire time at 80 Mbit/s; it pays where links are
+# slower than ~7 Mbit/s (bench/results/entropy.md). A one-word change here turns it on.
 LONG_FRAME_TOKENS = 2048
-LONG_FRAME_LAYOUT = {"lowrank_tiers": "24x8,88x4", "lowrank_first": "apart"}
-SHORT_FRAME_LAYOUT = {"lowrank_tiers": "", "lowrank_first": "shared"}
+LONG_FRAME_LAYOUT = {"lowrank_tiers": "24x8,88x4", "lowrank_first": "apart", "lowrank_entropy": "off"}
+SHORT_FRAME_LAYOUT = {"lowrank_tiers": "", "lowrank_first": "shared", "lowrank_entropy": "off"}
 
 
 def lowrank_layout(microbatch_tokens: int) -> dict[str, str]:
