@@ -148,7 +148,7 @@ class LowRankCodec(LinkCodec):
         self.loss_share = bool(loss_share)
         # The integer fields (int8 basis, 8- and 4-bit codes) entropy coded with their own frame's
         # histogram (``compression.entropy``), each replaced by a uint8 blob "e<name>" when that is
-        # smaller. Why: their symbols crowd near zero, so the same decoded tensors cost 8-13% fewer
+        # smaller. Why: their symbols crowd near zero, so the same decoded tensors cost 7-13% fewer
         # bytes at 2048-token frames (bench/results/entropy.md); lossless, so learning is unchanged.
         # ``frame_bytes`` then is the uncoded size, an upper bound; the payload is what is sent.
         self.entropy = bool(entropy)

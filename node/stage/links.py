@@ -37,9 +37,11 @@ DEFAULT_K = {"lowrank": 80, "pca": 96, "topk": 96, "bottleneck": 96}
 # more per token than they save.
 # The lossless entropy stage (--lowrank-entropy) stays off in both: on the bundled model's 2048-token
 # frames it sends 7.0% fewer bytes forward and 12.7% backward (110.0 -> 102.3 / 96.1 B/token, the
-# decoded tensors bit-identical), but it costs the compute thread ~19 / ~29 ms per frame (both ends,
-# one loaded CPU core) to save ~1.6 / ~2.8 ms of wire time at 80 Mbit/s; it pays where links are
-# slower than ~7 Mbit/s (bench/results/entropy.md). A one-word change here turns it on.
+# decoded tensors bit-identical), but it runs in each end's compute thread, serially with the
+# stage's math: ~20 / ~30 ms per frame for the two ends together (loaded CPU cores) to save ~1.6 /
+# ~2.8 ms of wire time at 80 Mbit/s; serially it pays below ~6-7 Mbit/s, and on a link-bound run
+# only where the compute thread has that time to spare (bench/results/entropy.md). A one-word
+# change here turns it on.
 LONG_FRAME_TOKENS = 2048
 LONG_FRAME_LAYOUT = {"lowrank_tiers": "24x8,88x4", "lowrank_first": "apart", "lowrank_entropy": "off"}
 SHORT_FRAME_LAYOUT = {"lowrank_tiers": "", "lowrank_first": "shared", "lowrank_entropy": "off"}
