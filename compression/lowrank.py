@@ -287,10 +287,12 @@ class LowRankCodec(LinkCodec):
             if name in out or sname not in out:
                 raise ValueError(f"lowrank frame carries {name} coded and raw, or without its scales")
             scale = out[sname]
+            if scale.dim() != 2:
+                raise ValueError(f"lowrank {name} scales must be 2-D, got shape {tuple(scale.shape)}")
             n = scale.shape[0] if name == "vq" else rows  # the basis: its scales' rows, at most k
             if name == "vq" and n > self._k(direction, hidden):
                 raise ValueError("lowrank basis is not a set of at most k unit vectors")
-            if scale.dim() != 2 or tuple(scale.shape) != (n, math.ceil(cols / block)):
+            if tuple(scale.shape) != (n, math.ceil(cols / block)):
                 raise ValueError(f"lowrank {name} scales have shape {tuple(scale.shape)}, not {n} rows")
             qmax = 2 ** (bits - 1) - 1
             if bool((scale == 0).any()):

@@ -145,6 +145,10 @@ DAMAGE = {
     "coded and raw": lambda p: p | {"q0": torch.zeros(p["s0"].shape[0], 8, dtype=torch.int8)},
     "scales of other rows": lambda p: p | {"s0": p["s0"][:-1]},
     "a basis wider than k": lambda p: p | {"vscale": torch.ones(40, H // 32, dtype=torch.bfloat16)},
+    "scales of no rows": lambda p: p | {"vscale": torch.ones((), dtype=torch.bfloat16)},
+    "the last word zero": lambda p: (
+        p | {"eq1": torch.cat([p["eq1"][:-4], torch.zeros(4, dtype=torch.uint8)])}
+    ),
 }
 
 
@@ -158,6 +162,21 @@ def test_damaged_coded_field_is_refused_in_one_line(damage):
         coded.decode_forward(bad, LinkContext(), tuple(x.shape))
     assert "\n" not in str(e.value)
     assert time.perf_counter() - t0 < 2.0  # refused up front, never a long decode
+
+
+def test_random_blobs_decode_or_are_refused_never_anything_else():
+    """Whatever bytes arrive in a coded field, decoding ends in a ValueError or in codes in range."""
+    coded, x, p = _coded_frame()
+    g = torch.Generator().manual_seed(5)
+    for i in range(200):
+        n = int(torch.randint(0, 3 * p["eq0"].numel(), (1,), generator=g))
+        blob = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        if i % 2:  # a plausible header and table: the stream itself is what is random
+            blob[: 2 + 255] = p["eq0"][: 2 + 255][: blob.numel()]
+        try:
+            coded.decode_forward(p | {"eq0": blob}, LinkContext(), tuple(x.shape))
+        except ValueError:
+            continue
 
 
 def test_a_coded_field_is_refused_by_a_run_that_codes_none():
