@@ -67,6 +67,9 @@ def test_entropy_coded_link_decodes_bit_identical_with_fewer_bytes(kind, first_a
         assert fields <= set(ent), f"{direction}: {sorted(fields - set(ent))} not entropy coded"
         assert torch.equal(dec_c(ent, ctx, tuple(x.shape)), dec_p(raw, ctx, tuple(x.shape))), direction
         assert payload_nbytes(ent) < payload_nbytes(raw), direction
+        dtypes = coded.payload_dtypes()  # what a receiving node checks before decoding
+        assert all(t.dtype == dtypes[name] for name, t in ent.items()), direction
+        assert len(ent) == len(raw)  # a coded field replaces its raw one: the frame's tensor count holds
 
 
 def test_gradient_rows_with_zero_scales_are_skipped_and_still_identical():
