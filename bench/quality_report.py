@@ -52,10 +52,16 @@ ORDER = [
 ]
 
 
-def _fmt_seeds(vals: list[float], fmt: str) -> str:
+def _fmt_seeds(vals: list[float | None], fmt: str) -> str:
+    if any(v is None for v in vals):  # not measured (bench.quality --codec-eval off)
+        return "–"
     if len(vals) == 1:
         return format(vals[0], fmt)
     return f"{format(statistics.mean(vals), fmt)} ({' / '.join(format(v, fmt) for v in vals)})"
+
+
+def _mean_or_none(vals: list[float | None]) -> float | None:
+    return None if any(v is None for v in vals) else statistics.mean(vals)
 
 
 def _by_variant_and_steps(runs: list[dict]) -> dict[tuple[str, int], list[dict]]:
@@ -174,9 +180,9 @@ def frame_plots(runs: list[dict], out: Path) -> Path:
         for (name, t, steps), g in sorted(groups.items()):
             x = statistics.mean(r["bytes_per_token"] for r in g)
             em = statistics.mean(r["em_dense_eval"] for r in g)
-            emc = statistics.mean(r["em_codec_eval"] for r in g)
+            emc = _mean_or_none([r["em_codec_eval"] for r in g])
             ax.scatter([x], [em], s=50, marker="*" if name == "dense" else "o", zorder=3)
-            if name != "dense":
+            if name != "dense" and emc is not None:
                 ax.scatter([x], [emc], s=30, facecolors="none", edgecolors="k", zorder=3)
                 ax.plot([x, x], [em, emc], color="0.7", lw=0.8, zorder=1)
             ax.annotate(
@@ -297,10 +303,10 @@ def plots(runs: list[dict], out: Path) -> list[Path]:
                     zorder=1,
                 )
             em = statistics.mean(r["em_dense_eval"] for r in g)
-            emc = statistics.mean(r["em_codec_eval"] for r in g)
+            emc = _mean_or_none([r["em_codec_eval"] for r in g])
             ref = variant in ("dense", "m95", "m95+ap")
             ax.scatter([x], [em], s=70 if ref else 40, marker="*" if ref else "o", zorder=3)
-            if variant != "dense":
+            if variant != "dense" and emc is not None:
                 ax.scatter([x], [emc], s=30, facecolors="none", edgecolors="k", zorder=3)
                 ax.plot([x, x], [em, emc], color="0.7", lw=0.8, zorder=1)
             ax.annotate(
