@@ -32,6 +32,7 @@ from compression.baselines import (
 )
 from compression.codec import WIRE_DTYPES, LinkCodec, LinkContext, Payload
 from compression.entropy import decode_symbols, encode_symbols
+from compression.repeats import drop_repeats, restore_repeats
 from compression.tiered import (
     check_tiers,
     decode_tiers,
@@ -97,6 +98,7 @@ class LowRankCodec(LinkCodec):
         first_apart: bool = False,
         loss_share: bool = False,
         entropy: bool = False,
+        repeats: bool = False,
     ):
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
@@ -152,6 +154,11 @@ class LowRankCodec(LinkCodec):
         # bytes at 2048-token frames (bench/results/entropy.md); lossless, so learning is unchanged.
         # ``frame_bytes`` then is the uncoded size, an upper bound; the payload is what is sent.
         self.entropy = bool(entropy)
+        # Rows whose codes repeat an earlier row's exactly sent as a reference (``compression.
+        # repeats``, a "rep" field, empty when none). Why: rows with the same token prefix have the
+        # same activations, and sequences of one microbatch often share their first tokens (13% of a
+        # word frame's rows); lossless. ``frame_bytes`` is the size with no repeats, an upper bound.
+        self.repeats = bool(repeats)
         self.k, self.coeff_dtype, self.block = int(k), coeff_dtype, int(block)
         # The backward's own k. Why: a pretrained model's boundary activations are nearly rank-k
         # (top 32 directions leave 1-12% of the centred signal), its boundary gradients are not
@@ -235,7 +242,20 @@ class LowRankCodec(LinkCodec):
             out.update(q4=pack_int4(q), scale=scale, cs=cs)
         else:
             out.update(self._plain_codes(c))
+        if self.repeats:
+            names = self._row_fields(direction, rows.shape[-1])
+            kept, out["rep"] = drop_repeats([out[n] for n in names])
+            out.update(zip(names, kept))
         return self._entropy_code(out, direction, rows.shape[-1]) if self.entropy else out
+
+    def _row_fields(self, direction: str, hidden: int) -> list[str]:
+        """The payload fields with a row per token (codes and their per-token scales)."""
+        tiers = self._tiers(direction, hidden)
+        if tiers:
+            return [n for i in range(len(tiers)) for n in (f"q{i}", f"s{i}")]
+        if direction == "backward" and self.backward_bits == 4:
+            return ["q4", "scale"]
+        return ["q", "scale"] if self.coeff_dtype == "int8" else ["c"]
 
     def _int_fields(self, direction: str, hidden: int) -> list[tuple[str, str, int, int, int]]:
         """(name, its block scales' name, bits, columns, block) of the integer fields entropy coding
@@ -317,7 +337,18 @@ class LowRankCodec(LinkCodec):
         return float(k * WIRE_DTYPES[self.coeff_dtype].itemsize)
 
     def _decode(self, payload: Payload, direction: str, hidden: int, rows: int) -> torch.Tensor:
-        payload = self._entropy_decode(payload, direction, hidden, rows)
+        rep = payload.get("rep")
+        if (rep is None) == self.repeats:
+            raise ValueError("lowrank frame's repeated rows do not match this run's setting (repeats)")
+        sent = rows - (rep.shape[0] if rep is not None and rep.dim() == 2 else 0)
+        payload = self._entropy_decode(payload, direction, hidden, sent)
+        if rep is not None:
+            names = self._row_fields(direction, hidden)
+            try:
+                fields = [payload[n] for n in names]
+            except KeyError as e:
+                raise ValueError(f"lowrank frame lacks its {e.args[0]}") from None
+            payload = payload | dict(zip(names, restore_repeats(fields, rep, rows)))
         vt = self._basis_of(payload, direction)
         tiers = self._tiers(direction, vt.shape[1])
         if tiers:
@@ -493,6 +524,8 @@ class LowRankCodec(LinkCodec):
             d["loss_share"] = True
         if self.entropy:
             d["entropy"] = True
+        if self.repeats:
+            d["repeats"] = True
         return d
 
     def payload_dtypes(self) -> dict[str, torch.dtype]:
@@ -513,6 +546,8 @@ class LowRankCodec(LinkCodec):
                 d.update(tier_dtypes(list(tiers)))
         if self.first_apart:
             d.update({"f_mean": self._bdtype} | {"f_" + n: d[n] for n in self._first_names()})
+        if self.repeats:
+            d["rep"] = torch.int32
         if self.entropy:  # the coded fields' blobs, whichever of them a frame carries
             d.update({"e" + n: torch.uint8 for n in ("vq", "q", "q4")})
             n_tiers = max(len(self.tiers or ()), len(self.backward_tiers or ()))

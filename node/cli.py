@@ -28,7 +28,10 @@ _CODEC_FLAGS = {
 _CODEC_VALUES = {
     "mask_rate": ("mask",),
     "pca_dtype": ("pca", "lowrank"),
-    **{f"lowrank_{s}": ("lowrank",) for s in ("basis", "tiers", "centre", "first", "fit", "entropy")},
+    **{
+        f"lowrank_{s}": ("lowrank",)
+        for s in ("basis", "tiers", "centre", "first", "fit", "entropy", "repeats")
+    },
 }
 # the lowrank flags that --lowrank-tiers overrides (its tiers set both directions' directions and bits)
 _TIERED_AWAY = ("codec_k", "lowrank_k_backward", "lowrank_backward_bits")

@@ -43,8 +43,18 @@ DEFAULT_K = {"lowrank": 80, "pca": 96, "topk": 96, "bottleneck": 96}
 # only where the compute thread has that time to spare (bench/results/entropy.md). A one-word
 # change here turns it on.
 LONG_FRAME_TOKENS = 2048
-LONG_FRAME_LAYOUT = {"lowrank_tiers": "24x8,88x4", "lowrank_first": "apart", "lowrank_entropy": "off"}
-SHORT_FRAME_LAYOUT = {"lowrank_tiers": "", "lowrank_first": "shared", "lowrank_entropy": "off"}
+LONG_FRAME_LAYOUT = {
+    "lowrank_tiers": "24x8,88x4",
+    "lowrank_first": "apart",
+    "lowrank_entropy": "off",
+    "lowrank_repeats": "off",
+}
+SHORT_FRAME_LAYOUT = {
+    "lowrank_tiers": "",
+    "lowrank_first": "shared",
+    "lowrank_entropy": "off",
+    "lowrank_repeats": "off",
+}
 
 
 def lowrank_layout(microbatch_tokens: int) -> dict[str, str]:
@@ -103,6 +113,8 @@ def codec_settings(cfg: NodeConfig, model=None) -> dict:
             kw["loss_share"] = True
         if cfg.lowrank_entropy == "on":
             kw["entropy"] = True
+        if cfg.lowrank_repeats == "on":
+            kw["repeats"] = True
     elif name in ("topk", "bottleneck"):
         kw = {"k": k}
     else:
