@@ -64,9 +64,9 @@ def field_symbols(name: str, t: torch.Tensor) -> list[int] | None:
     return None
 
 
-def default_codec(entropy: bool = False):
+def default_codec(entropy: bool = False, repeats: bool = False):
     """The codec a GPU starter's run publishes (node.stage.links: LONG_FRAME_LAYOUT), with the
-    lossless stage on or off."""
+    lossless stages (entropy coding, repeated rows once) on or off."""
     tiers = parse_tiers(LONG_FRAME_LAYOUT["lowrank_tiers"])
     return make_codec(
         "lowrank",
@@ -78,6 +78,7 @@ def default_codec(entropy: bool = False):
         backward_tiers=tiers,
         first_apart=LONG_FRAME_LAYOUT["lowrank_first"] == "apart",
         entropy=entropy,
+        repeats=repeats,
     )
 
 
@@ -256,11 +257,46 @@ def model_probe(payload: dict, fields: list[tuple[str, str, int, int, int]]) -> 
     return out
 
 
+# the lossless settings compared: each decodes bit-identically to "plain" (checked per frame)
+VARIANTS = {
+    "plain": {},
+    "entropy": {"entropy": True},
+    "repeats": {"repeats": True},
+    "repeats+entropy": {"repeats": True, "entropy": True},
+}
+
+
+class _TimedRepeats:
+    """Time spent dropping and restoring repeated rows (compression.repeats as lowrank calls it)."""
+
+    def __init__(self):
+        import compression.lowrank as lowrank
+
+        self.calls: dict[str, list[float]] = {"drop_repeats": [], "restore_repeats": []}
+        for name in self.calls:
+            setattr(lowrank, name, self._wrap(getattr(lowrank, name), name))
+
+    def _wrap(self, fn, name: str):
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            self.calls[name].append(time.perf_counter() - t0)
+            return out
+
+        return timed
+
+    def take(self) -> tuple[float, float]:
+        out = tuple(min(self.calls[n]) for n in ("drop_repeats", "restore_repeats"))
+        self.calls = {n: [] for n in self.calls}
+        return out
+
+
 def measure_coder(frames: int, frame_tokens: int, reps: int) -> dict:
-    """The real lossless stage on the default long-frame link: bytes and times, both directions."""
+    """The real lossless stages on the default long-frame link: bytes and times, both directions."""
     data, boundary = boundary_frames(frames, frame_tokens)
-    plain, coded = default_codec(), default_codec(entropy=True)
-    timer = _Timed(coded)
+    codecs = {name: default_codec(**kw) for name, kw in VARIANTS.items()}
+    coded = codecs["entropy"]
+    timer, rep_timer = _Timed(coded), _TimedRepeats()
     per = {d: [] for d in ("forward", "backward")}
     probes = {d: [] for d in ("forward", "backward")}
     models = {d: [] for d in ("forward", "backward")}
@@ -272,7 +308,7 @@ def measure_coder(frames: int, frame_tokens: int, reps: int) -> dict:
         for direction, t in (("forward", xd), ("backward", grad)):
             fwd = direction == "forward"
             rec = {"tokens": ids.numel(), "sequences": ids.shape[0]}
-            for name, codec in (("plain", plain), ("entropy", coded)):
+            for name, codec in codecs.items():
                 enc = codec.encode_forward if fwd else codec.encode_backward
                 dec = codec.decode_forward if fwd else codec.decode_backward
                 payload, rec[f"{name}_encode_s"] = _fastest(partial(enc, t, ctx), reps)
@@ -282,14 +318,20 @@ def measure_coder(frames: int, frame_tokens: int, reps: int) -> dict:
                 rec[f"{name}_decoded"] = decoded
                 if name == "entropy":
                     rec["coded_fields"] = sorted(n for n in payload if n.startswith("e"))
-                else:
+                elif name == "repeats":
+                    rec["repeated_rows"] = int(payload["rep"].shape[0])
+                    rec["repeats_drop_s"], rec["repeats_restore_s"] = rep_timer.take()
+                elif name == "plain":
                     models[direction].append(model_probe(payload, coded._int_fields(direction, t.shape[-1])))
                     basis = {"vq": payload["vq"], "vscale": payload["vscale"]}
                     if direction in prev_basis:
                         probes[direction].append(basis_probe(prev_basis[direction], basis, coded.basis_block))
                     prev_basis[direction] = basis
-            if not torch.equal(rec.pop("plain_decoded"), rec.pop("entropy_decoded")):
-                raise AssertionError(f"{direction}: the entropy-coded link decoded differently")
+            ref = rec.pop("plain_decoded")
+            for name in list(VARIANTS)[1:]:
+                if not torch.equal(rec.pop(f"{name}_decoded"), ref):
+                    raise AssertionError(f"{direction}: the {name} link decoded differently")
+            rep_timer.calls = {n: [] for n in rep_timer.calls}  # the repeats+entropy codec's calls
             rec["stage_encode_s"], rec["stage_decode_s"] = timer.take("encode"), timer.take("decode")
             per[direction].append(rec)
     out = {
@@ -298,7 +340,7 @@ def measure_coder(frames: int, frame_tokens: int, reps: int) -> dict:
         "tokens": tokens,
         "boundary": boundary,
         "reps": reps,
-        "codec": coded.describe(),
+        "codec": codecs["repeats+entropy"].describe(),
         "duplicate_rows": dups,
         "per_frame": per,
         "basis_probe": probes,
@@ -323,12 +365,24 @@ def measure_coder(frames: int, frame_tokens: int, reps: int) -> dict:
                 f: {m: sum(p[f][m] for p in models[direction]) / tok for m in models[direction][0][f]}
                 for f in models[direction][0]
             },
+            "variants": {
+                name: {
+                    "bytes_per_token": sum(r[f"{name}_bytes"] for r in recs) / tok,
+                    "x_below_dense_bf16": 2 * hidden * tok / sum(r[f"{name}_bytes"] for r in recs),
+                    "saved_share": 1
+                    - sum(r[f"{name}_bytes"] for r in recs) / sum(r["plain_bytes"] for r in recs),
+                    "codec_encode_s": med[f"{name}_encode_s"],
+                    "codec_decode_s": med[f"{name}_decode_s"],
+                }
+                for name in VARIANTS
+            },
+            "repeated_rows": sum(r["repeated_rows"] for r in recs),
             "fields_per_token": {
                 name: {
                     f: sum(r[f"{name}_fields"].get(f, 0) for r in recs) / tok
                     for f in recs[-1][f"{name}_fields"]
                 }
-                for name in ("plain", "entropy")
+                for name in VARIANTS
             },
         }
     return out
@@ -393,6 +447,15 @@ def main(argv=None) -> int:
                 f"{1e3 * m['plain_encode_s']:.0f} + {1e3 * m['plain_decode_s']:.0f} ms, entropy stage "
                 f"{1e3 * m['stage_encode_s']:.1f} + {1e3 * m['stage_decode_s']:.1f} ms "
                 f"({100 * r['stage_share_of_codec']:.0f}% of the codec's)"
+            )
+        for d in ("forward", "backward"):
+            v = rec[d]["variants"]
+            print(
+                f"{d}: "
+                + ", ".join(f"{n} {v[n]['bytes_per_token']:.1f}" for n in VARIANTS)
+                + f" B/token; rows sent once: {rec[d]['repeated_rows']}, dropping them "
+                f"{1e3 * rec[d]['median_s']['repeats_drop_s']:.1f} ms, restoring "
+                f"{1e3 * rec[d]['median_s']['repeats_restore_s']:.1f} ms per frame"
             )
         dup = rec["duplicate_rows"]
         print(f"forward rows repeating an earlier row exactly: {dup} of {rec['tokens']} tokens")

