@@ -396,18 +396,18 @@ def plot_coder(rec: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
     dirs = ("forward", "backward")
-    for i, (key, label) in enumerate(
-        (("bytes_per_token_before", "lowrank"), ("bytes_per_token_after", "+ entropy"))
-    ):
-        vals = [rec[d][key] for d in dirs]
-        bars = a.bar([j + 0.38 * i for j in range(2)], vals, 0.38, label=label)
-        a.bar_label(bars, fmt="%.1f", fontsize=8)
-    a.set_xticks([0.19, 1.19], dirs)
+    names = list(rec["forward"]["variants"])
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        vals = [rec[d]["variants"][name]["bytes_per_token"] for d in dirs]
+        bars = a.bar([j + width * i for j in range(2)], vals, width, label=name)
+        a.bar_label(bars, fmt="%.1f", fontsize=7)
+    a.set_xticks([width * (len(names) - 1) / 2 + j for j in range(2)], dirs)
     a.set_ylabel("B/token per boundary")
     a.set_title(f"{rec['frame_tokens']}-token word frames, H = 576 (dense bf16: 1152)", fontsize=9)
-    a.legend(fontsize=8, loc="lower right")
+    a.legend(fontsize=7, loc="lower right")
     for d in dirs:
         probes = rec["basis_probe"][d]
         k = len(probes[0]["span_overlap_per_rank"])

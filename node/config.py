@@ -284,7 +284,7 @@ class NodeConfig:
     lowrank_repeats: str = opt(
         "off",
         help="lowrank codec: send a row whose codes repeat an earlier row's (sequences sharing their first "
-        "tokens) as an 8-byte reference; lossless, ~3 ms of CPU per 2048-token frame "
+        "tokens) as an 8-byte reference; lossless, ~1 ms of CPU per 2048-token frame "
         "(default: %(default)s)",
         choices=("off", "on"),
         group=RUN,

@@ -41,7 +41,10 @@ DEFAULT_K = {"lowrank": 80, "pca": 96, "topk": 96, "bottleneck": 96}
 # stage's math: ~20 / ~30 ms per frame for the two ends together (loaded CPU cores) to save ~1.6 /
 # ~2.8 ms of wire time at 80 Mbit/s; serially it pays below ~6-7 Mbit/s, and on a link-bound run
 # only where the compute thread has that time to spare (bench/results/entropy.md). A one-word
-# change here turns it on.
+# change here turns it on. Repeated rows sent once (--lowrank-repeats) are cheap (~2.5 ms per
+# frame) and lossless, 8.2% fewer bytes forward on word frames (their prompts share first tokens),
+# but off: the benchmarks and tests/test_links_swarm.py count a frame's bytes as ``frame_bytes`` of
+# its shape, which the references make an upper bound (bench/results/entropy.md).
 LONG_FRAME_TOKENS = 2048
 LONG_FRAME_LAYOUT = {
     "lowrank_tiers": "24x8,88x4",
