@@ -340,7 +340,9 @@ class LowRankCodec(LinkCodec):
         rep = payload.get("rep")
         if (rep is None) == self.repeats:
             raise ValueError("lowrank frame's repeated rows do not match this run's setting (repeats)")
-        sent = rows - (rep.shape[0] if rep is not None and rep.dim() == 2 else 0)
+        if rep is not None and (rep.dim() != 2 or rep.shape[0] >= max(rows, 1)):
+            raise ValueError(f"lowrank frame names {tuple(rep.shape)} repeated rows of its {rows}")
+        sent = rows - (rep.shape[0] if rep is not None else 0)  # the rows the frame's codes carry
         payload = self._entropy_decode(payload, direction, hidden, sent)
         if rep is not None:
             names = self._row_fields(direction, hidden)
@@ -472,8 +474,9 @@ class LowRankCodec(LinkCodec):
     def frame_bytes(self, tokens: int, hidden: int, direction: str, sequences: int = 0) -> int:
         """Exact payload bytes of one frame of ``tokens`` rows in ``sequences`` sequences (0: rows
         with no sequence structure); 'forward' adds the mean, and with ``first_apart`` the first
-        positions' own code. With ``entropy`` the bytes before coding: an upper bound, since a field
-        is coded only where that makes it smaller (the bytes sent are the payload's)."""
+        positions' own code. With ``entropy`` or ``repeats`` an upper bound: the bytes before coding
+        (a field is coded only where that makes it smaller) with no row repeated; the bytes sent are
+        the payload's."""
         k = self._k(direction, hidden)
         first = 0
         if direction == "forward" and self.first_apart and 0 < sequences < tokens:

@@ -134,6 +134,12 @@ def test_a_frame_with_references_is_refused_by_a_run_without_and_the_reverse():
     with pytest.raises(ValueError, match="repeats"):
         with_rep.decode_forward(without.encode_forward(x, ctx), ctx, shape)
     p = with_rep.encode_forward(x, ctx)
+    for bad in (
+        torch.zeros(x.shape[0] * x.shape[1], 2, dtype=torch.int32),
+        torch.zeros(3, dtype=torch.int32),
+    ):
+        with pytest.raises(ValueError, match="repeated rows of its"):
+            with_rep.decode_forward(p | {"rep": bad}, ctx, shape)
     del p["q1"]
     with pytest.raises(ValueError, match="lacks its q1"):
         with_rep.decode_forward(p, ctx, shape)
