@@ -219,3 +219,31 @@ def test_entropy_flag_reaches_the_codec_and_its_record():
     assert "entropy" not in off
     with pytest.raises(FlagError, match="--lowrank-entropy does nothing with --codec dense"):
         resolved(["--codec", "dense", "--lowrank-entropy", "on"])
+
+
+# slow: a real two-process swarm (~75 s); the codec-level tests above are what CI runs
+@pytest.mark.slow
+def test_swarm_with_both_lossless_stages_trains_and_sends_fewer_bytes(tmp_path):
+    """The default long-frame link with --lowrank-entropy and --lowrank-repeats on, through real
+    frames, p2pd and the DHT: the record carries both settings, the loss falls, and each direction
+    sends fewer bytes per token than the uncoded frame (``frame_bytes``, its upper bound)."""
+    from tests.conftest import run_swarm
+
+    text = "Volunteers train together over slow links, so every byte on the wire counts. "
+    data = tmp_path / "text.txt"
+    data.write_text("\n\n".join(text * 3 for _ in range(60)))
+    flags = ["--nodes", "2", "--stages", "2", "--steps", "12", "--model", "tiny:2:640", "--lr", "1e-3"]
+    flags += ["--seq-len", "128", "--microbatch", "4", "--batch-tokens", "512", "--data", str(data)]
+    flags += ["--microbatch-tokens", "2048", "--lowrank-entropy", "on", "--lowrank-repeats", "on"]
+    rep = run_swarm(tmp_path / "run", *flags, timeout=400, codec=None)
+    published = rep["codec_settings"]
+    assert published["entropy"] is True and published["repeats"] is True
+    loss = rep["loss"]
+    assert sum(loss[-3:]) / 3 < 0.9 * sum(loss[:3]) / 3
+    tiers = ((24, 8), (88, 4))
+    plain = make_codec(
+        "lowrank", tiers=tiers, backward_tiers=tiers, first_apart=True, basis_dtype="int8", basis_block=32
+    )
+    for lk in rep["links"]:
+        bound = plain.frame_bytes(16 * 128, 640, lk["direction"], sequences=16) / (16 * 128)
+        assert lk["bytes_per_token"] < bound, lk
