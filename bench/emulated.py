@@ -348,6 +348,11 @@ class EmulatedLinkCodec(LinkCodec):
     def __init__(self, inner: LinkCodec, gpu: Gpu) -> None:
         if inner.carries_tokens:
             raise ValueError(f"emulated links do not cover codec {inner.codec_id!r} (it carries token ids)")
+        if getattr(inner, "entropy", False):  # coded sizes depend on values the emulation never computes
+            raise ValueError(
+                "emulated links do not cover --lowrank-entropy on (its bytes depend on the data); "
+                "measure it with python -m bench.code_entropy --mode coder"
+            )
         self.inner, self.gpu = inner, gpu
         self.codec_id, self.needs_basis = inner.codec_id, inner.needs_basis
         k = getattr(inner, "k", 0)

@@ -388,3 +388,12 @@ def test_emulated_model_calibrates_a_pca_basis():
     )
     assert mean.shape == (256,) and v.shape == (256, 16)
     torch.testing.assert_close(v.T @ v, torch.eye(16), atol=1e-4, rtol=0)
+
+
+def test_emulated_links_refuse_the_entropy_stage_in_one_line():
+    """Coded sizes depend on values an emulated stage never computes: refused at start, not at the
+    first frame."""
+    with pytest.raises(ValueError, match="--lowrank-entropy on") as e:
+        _real_and_emulated("lowrank", k=16, basis_dtype="int8", basis_block=32, entropy=True)
+    assert "\n" not in str(e.value)
+    _real_and_emulated("lowrank", k=16, basis_dtype="int8", basis_block=32, repeats=True)  # sizes bounded
