@@ -341,3 +341,17 @@ def test_the_estimate_counts_what_an_nf4_stage_holds():
     frozen_est = est["states"] - predicted * 16
     assert abs(frozen_est - held) <= 0.01 * held, (frozen_est, held)
     assert held < 0.16 * 4 * n_params  # 4-bit: under a sixth of the fp32 base
+
+
+def test_a_tied_lora_run_exchanges_nothing_and_a_full_one_does():
+    """Under LoRA the tied embedding/lm_head is frozen in both copies, so the run record a starter
+    publishes for a tied model asks for no tied exchange (0 tied bytes); full fine-tuning of the
+    same model does."""
+    from node.config import NodeConfig
+    from node.join import new_run_record
+
+    base = _base(tie=True)
+    full = new_run_record(NodeConfig(stages=2), base, "tiny", "h")
+    lora = new_run_record(NodeConfig(stages=2, finetune="lora"), base, "tiny", "h")
+    assert full.tied and not lora.tied
+    assert lora.finetune.mode == "lora"
