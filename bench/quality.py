@@ -160,8 +160,9 @@ def run(
     codec_eval: bool = True,
 ) -> dict:
     """One run's record for ``links.json`` (``trial`` keeps the trained model too)."""
-    args = (variant, task, seed, steps, n_eval, log_every, check_greedy, frame_tokens, setup, codec_eval)
-    return trial(*args).record
+    return trial(
+        variant, task, seed, steps, n_eval, log_every, check_greedy, frame_tokens, setup, codec_eval
+    ).record
 
 
 def trial(
