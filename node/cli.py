@@ -95,6 +95,11 @@ def check_run_flags(a: argparse.Namespace) -> None:
     if base != "auto" and a.finetune != "lora" and new_run:
         raise FlagError(f"--base-dtype {base} is the frozen base's dtype under LoRA adapters: add --finetune "
                         "lora, or leave it out (full fine-tuning trains every weight in fp32)")  # fmt: skip
+    layers = getattr(a, "stage_layers", "")
+    n_ranges = len(layers.split(",")) if layers else 0
+    if layers and n_ranges != a.stages:
+        raise FlagError(f"--stage-layers {layers} has {n_ranges} ranges for --stages {a.stages}: give one "
+                        "START-END range per stage")  # fmt: skip
     if a.microbatch_tokens and not a.seq_len <= a.microbatch_tokens <= 2**20:
         raise FlagError(
             f"--microbatch-tokens {a.microbatch_tokens} must be 0 or at least --seq-len ({a.seq_len}): "

@@ -70,6 +70,33 @@ def stage_spec(text: str) -> str:
     raise ValueError(f"must be auto or a stage index (0, 1, ...), got {text!r}")
 
 
+def layers_spec(text: str) -> str:
+    """``--stage-layers``: contiguous [start, end) layer ranges, ``0-8,8-16,16-30``, checked for form
+    here and against the model's layer count when a run starts (``stage_layers``); '' is the default."""
+    if text:
+        stage_layers(text)
+    return text
+
+
+def stage_layers(text: str, num_layers: int | None = None) -> list[list[int]]:
+    """``--stage-layers`` as ranges; ValueError saying what it expects if they are not contiguous
+    ranges from layer 0 (and, given ``num_layers``, to the last layer)."""
+    try:
+        ranges = [[int(a), int(b)] for a, b in (part.split("-") for part in text.split(","))]
+    except ValueError:
+        raise ValueError(
+            f"must be layer ranges START-END,START-END,... (e.g. 0-8,8-16,16-30), got {text!r}"
+        ) from None
+    ends = [0] + [b for _, b in ranges]
+    if any(a != prev or b <= a for (a, b), prev in zip(ranges, ends)):
+        raise ValueError(
+            f"ranges must start at layer 0, each end where the next starts, none empty; got {text!r}"
+        )
+    if num_layers is not None and ranges[-1][1] != num_layers:
+        raise ValueError(f"{text!r} ends at layer {ranges[-1][1]}, but the model has {num_layers} layers")
+    return ranges
+
+
 _RECORD_DEFAULTS = {f.name: f.default for f in fields(RunRecord) if f.default is not MISSING}
 
 
@@ -190,6 +217,13 @@ class NodeConfig:
         group=RUN,
     )
     stages: int = opt(2, help="pipeline stages of a new run (default: %(default)s)", min=1, max=64, group=RUN)
+    stage_layers: str = opt(
+        "",
+        help="a new run's split by hand, one START-END decoder-layer range per stage, e.g. "
+        "0-8,8-16,16-23,23-30 (as many ranges as --stages; default: balanced by estimated cost)",
+        parse=layers_spec,
+        group=RUN,
+    )
     codec: str = opt(
         "lowrank",
         help="pipeline-link codec; 'subspace' needs --mode pretrain and --subspace-rank (default: "

@@ -22,7 +22,7 @@ import torch
 from hivemind import DHT
 from hivemind.p2p import P2P
 
-from node.config import NodeConfig, run_parts
+from node.config import NodeConfig, run_parts, stage_layers
 from node.dp.deferred import DeferredOuter
 from node.dp.diloco import OuterSync
 from node.model.adapters import (
@@ -84,6 +84,21 @@ from protocol.records import RunRecord, StageRecord
 log = logging.getLogger("node")
 
 
+def run_stages(cfg: NodeConfig, model) -> list[list[int]]:
+    """A new run's layer ranges: ``--stage-layers`` as given, else balanced by estimated cost."""
+    if not cfg.stage_layers:
+        return default_stage_ranges(model, cfg.stages)
+    try:
+        ranges = stage_layers(cfg.stage_layers, model.config.num_hidden_layers)
+    except ValueError as e:
+        raise JoinError(f"--stage-layers {e}") from None
+    if len(ranges) != cfg.stages:
+        raise JoinError(
+            f"--stage-layers gives {len(ranges)} ranges for --stages {cfg.stages}: give one range per stage"
+        )
+    return ranges
+
+
 def new_run_record(cfg: NodeConfig, model, name: str, model_hash: str) -> RunRecord:
     return RunRecord(
         run_id=cfg.run_id,
@@ -91,7 +106,7 @@ def new_run_record(cfg: NodeConfig, model, name: str, model_hash: str) -> RunRec
         model_hash=model_hash,
         num_layers=model.config.num_hidden_layers,
         hidden=model.config.hidden_size,
-        stages=default_stage_ranges(model, cfg.stages),
+        stages=run_stages(cfg, model),
         codec=codec_settings(cfg, model),
         **run_parts(cfg),  # the typed parts and the scalars, field by field (node.config)
         # a tied model stays tied across stages: head and tail sum their gradients (node.dp.tied);

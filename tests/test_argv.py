@@ -63,7 +63,7 @@ def _other(f, value):
         return (value / 2 if value else 0.25) if capped else value * 2 + 0.5
     if typing.get_origin(kind) is list:
         return ["/ip4/127.0.0.1/tcp/1", "/ip4/127.0.0.1/tcp/2"]
-    return "1" if f.name == "stage" else f"x-{f.name}"
+    return {"stage": "1", "stage_layers": "0-1,1-2"}.get(f.name, f"x-{f.name}")
 
 
 def test_config_to_argv_to_config_is_identity_for_every_non_default():
@@ -305,3 +305,29 @@ def test_codec_k_flags_of_the_codecs_they_act_on_are_taken():
 
     assert codec_settings(_checked(["join", "--codec", "pca", "--codec-k", "58"]))["k"] == 58
     assert codec_settings(_checked(["join", "--lowrank-tiers", "", "--codec-k", "64"]))["k"] == 64
+
+
+def test_stage_layers_set_a_new_runs_split_and_bad_ones_are_refused_in_one_line():
+    """``--stage-layers`` (a split by hand, e.g. the quality bench's) reaches the run record; a
+    split that is not contiguous, does not cover the model or has the wrong count is one line."""
+    from node.cli import FlagError
+    from node.join import run_stages
+    from node.model.loading import load_model
+    from node.swarm.membership import JoinError
+
+    model = load_model("tiny:6")[0]
+    assert run_stages(_checked(["join", "--stages", "3", "--stage-layers", "0-1,1-5,5-6"]), model) == [
+        [0, 1],
+        [1, 5],
+        [5, 6],
+    ]
+    balanced = run_stages(_checked(["join", "--stages", "3"]), model)
+    assert balanced != [[0, 1], [1, 5], [5, 6]] and len(balanced) == 3  # the flag, not the default
+    with pytest.raises(JoinError, match="ends at layer 5, but the model has 6 layers"):
+        run_stages(_checked(["join", "--stages", "2", "--stage-layers", "0-2,2-5"]), model)
+    with pytest.raises(FlagError, match="has 2 ranges for --stages 3"):
+        _checked(["join", "--stages", "3", "--stage-layers", "0-2,2-6"])
+    for bad in ("0-2,3-6", "1-3,3-6", "0-2,2-2", "0-2;2-6", "a-b"):
+        with pytest.raises(FlagError, match="--stage-layers") as e:
+            build_parser().parse_args(["join", "--stage-layers", bad])
+        assert "\n" not in str(e.value)
