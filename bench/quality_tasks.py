@@ -92,11 +92,14 @@ _LOSS = ["loses {k}", "sells {k}", "uses {k}"]
 
 def multistep_example(rng: random.Random) -> Example:
     """Word problem of two or three operations on two people's counts, e.g. ``Q: Tom has 45 pens.
-    Anna has 17 more pens than Tom. Anna gives Tom 12 pens. How many pens does Anna have now?\nA:``
-    -> `` 50``. Anna's count is stated relative to Tom's, then one or two events change one or both
-    (a gift moves pens from one to the other: one number, two updates), and the question names one
-    of them: the answer needs every operation that touches that person, at least two of them, and
-    none of the others (which are distractors). Counts stay positive; numbers are 2-digit."""
+    Anna has 17 more pens than Tom. Anna gives Tom 6 pens. How many pens does Anna have now?\nA:``
+    -> `` 56``. Anna's count is stated relative to Tom's, then one or two events change one or both
+    (a gift moves pens from one to the other: one number, two updates), and the question names a
+    person whose count went through exactly two operations; operations on the other person are
+    distractors. Counts stay positive; the start and the relation are 2-digit, the events'
+    amounts 2-9. (Eased after its first measurement: with up to three operations on the asked
+    count and 2-digit events, dense fine-tuning reached EM 0.015 at 100 steps of 16 problems, its
+    held-out loss flat from step 10, so it could not show a link's harm.)"""
     item = rng.choice(_ITEMS)
     while True:
         p, q = rng.sample(_NAMES, 2)
@@ -109,7 +112,7 @@ def multistep_example(rng: random.Random) -> Example:
         sents = [f"{p} has {a} {item}.", f"{q} has {d} {'more' if more else 'fewer'} {item} than {p}."]
         ok = True
         for _ in range(rng.randint(1, 2)):
-            k = rng.randint(10, 49)
+            k = rng.randint(2, 9)
             kind = rng.random()
             x = rng.choice((p, q))
             if kind < 0.4:  # a gift between the two
@@ -127,7 +130,7 @@ def multistep_example(rng: random.Random) -> Example:
                 have[x] -= k
                 touched[x] += 1
                 sents.append(f"{x} {rng.choice(_LOSS).format(k=k)}.")
-        asked = [n for n in (p, q) if touched[n] >= 2]
+        asked = [n for n in (p, q) if touched[n] == 2]
         if ok and asked:
             who = rng.choice(asked)
             prompt = f"Q: {' '.join(sents)} How many {item} does {who} have now?\nA:"
@@ -245,6 +248,9 @@ _T24_88A = {
     "basis_block": 32,
 }
 
+# the lossless stages of the lowrank link (compression/entropy.py, compression/repeats.py)
+_ER = {"entropy": True, "repeats": True}
+
 # the short-frame default link (node.stage.links.lowrank_layout below 2048-token microbatches)
 _K80 = {"k": 80, "basis_dtype": "int8", "basis_block": 32}
 
@@ -332,6 +338,36 @@ VARIANTS: dict[str, Variant] = {
         ),
         # both: lowrankt24-88m's tiers in each direction, the first positions apart (mean centre)
         Variant("lowrankt24-88a", "lowrank", _T24_88A),
+        # issue 35, links at 20x. "+er": the lossless stages on (entropy-coded codes and basis,
+        # repeated rows as references; decoded tensors bit-identical, so learning as without them)
+        Variant("lowrankt24-88a+er", "lowrank", {**_T24_88A, **_ER}),
+        # fewer directions, fewer for the backward: ~20x all-in with +er at 2048-token frames
+        Variant(
+            "lowrankt16-64a-b12-36+er",
+            "lowrank",
+            {**_T24_88A, **_ER, "tiers": ((16, 8), (64, 4)), "backward_tiers": ((12, 8), (36, 4))},
+        ),
+        # the default's forward, a backward of 32 directions (~16x before +er)
+        Variant(
+            "lowrankt24-88a-b8-24+er", "lowrank", {**_T24_88A, **_ER, "backward_tiers": ((8, 8), (24, 4))}
+        ),
+        # as many directions as the default, fewer bits: 16 at 8 bits, 96 at 2 (~15x before +er)
+        Variant(
+            "lowrankt16-96x2a+er",
+            "lowrank",
+            {**_T24_88A, **_ER, "tiers": ((16, 8), (96, 2)), "backward_tiers": ((16, 8), (96, 2))},
+        ),
+        # three tiers, 8/4/2 bits, the backward smaller (~19x before +er)
+        Variant(
+            "lowrankt12-36-40a-b8-24-24+er",
+            "lowrank",
+            {
+                **_T24_88A,
+                **_ER,
+                "tiers": ((12, 8), (36, 4), (40, 2)),
+                "backward_tiers": ((8, 8), (24, 4), (24, 2)),
+            },
+        ),
         # lowrankt24-88a with the forward basis fitted by loss share: the rows the loss reads (the
         # answer) weigh as much, together, as all the others (same bytes; sender-side only)
         Variant("lowrankt24-88as", "lowrank", {**_T24_88A, "loss_share": True}),

@@ -105,7 +105,7 @@ def test_multistep_answers_follow_from_the_ledger():
         assert min(counts) >= 1, ex  # nobody gives, sells or loses more than they hold
 
 
-def test_multistep_needs_two_or_three_operations():
+def test_multistep_asks_a_count_of_two_operations():
     exs = _sample("multistep", 5, 2000)
     per_problem, on_asked, copied = [], [], 0
     for ex in exs:
@@ -114,7 +114,7 @@ def test_multistep_needs_two_or_three_operations():
         on_asked.append(n_asked)
         copied += ex.completion.strip() in re.findall(r"\d+", ex.prompt)
     assert set(per_problem) == {2, 3}  # both lengths occur, nothing else
-    assert min(on_asked) >= 2  # the asked count went through at least two operations
+    assert set(on_asked) == {2}  # the asked count went through exactly two operations
     assert sum(t > a for t, a in zip(per_problem, on_asked)) > 0.1 * len(exs)  # distractors occur
     assert copied < 0.05 * len(exs)  # the answer is (almost) never a number in the prompt
     # both people are asked about, so the question has to be read
