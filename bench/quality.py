@@ -287,6 +287,9 @@ def trial(
         d: sum(c.bytes[d] for c in meters) / max(sum(c.tokens[d] for c in meters), 1) for d in ("fwd", "bwd")
     }
     framed = {d: hops.frame_bytes[d] / max(hops.frame_tokens[d], 1) for d in ("fwd", "bwd")}
+    if getattr(codecs[0].inner, "entropy", False) or getattr(codecs[0].inner, "repeats", False):
+        # lossless stages: frame_bytes is their upper bound, the payloads counted on the wire are exact
+        payload_bpt = (counted["fwd"] + counted["bwd"]) / 2
     basis_bytes = published_bytes(codecs[0].inner, hidden) * (basis_version + 1)
     basis_bpt = basis_bytes / max(wire_tokens, 1)
     link_basis = None

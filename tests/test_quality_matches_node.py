@@ -68,3 +68,20 @@ def test_a_lora_run_trains_the_adapters_only():
     # scored with the weights run dense only (--codec-eval off): the link's figures are absent, not 0
     assert t.record["em_codec_eval"] is None and t.record["eval_loss_codec"] is None
     assert "| – |" in tables([t.record])
+
+
+def test_the_lossless_stages_learn_the_same_and_are_charged_what_they_send():
+    """``+er`` (entropy coding and repeated rows on the lowrank link) decodes bit-identically, so a
+    run through it is the run without it, step for step; its bytes are the payloads as sent (the
+    codec's frame_bytes is only their upper bound), and fewer than without the stages."""
+    torch.set_num_threads(1)
+    kw = dict(seed=0, steps=3, n_eval=4, log_every=3, setup=TINY, codec_eval=False)
+    plain = trial(VARIANTS["lowrankt24-88a"], "arithmetic", **kw).record
+    lossless = trial(VARIANTS["lowrankt24-88a+er"], "arithmetic", **kw).record
+    assert lossless["train_loss_curve"] == plain["train_loss_curve"] and lossless["eval_loss"] == plain["eval_loss"]
+    counted = lossless["counted_bytes_per_token"]
+    assert lossless["payload_bytes_per_token"] == pytest.approx((counted["fwd"] + counted["bwd"]) / 2)
+    assert lossless["payload_bytes_per_token"] < plain["payload_bytes_per_token"]
+    assert plain["payload_bytes_per_token"] == pytest.approx(
+        (plain["counted_bytes_per_token"]["fwd"] + plain["counted_bytes_per_token"]["bwd"]) / 2, rel=1e-9
+    )
