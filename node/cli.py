@@ -72,6 +72,20 @@ def check_run_flags(a: argparse.Namespace) -> None:
             parse_tiers(a.lowrank_tiers)
         except ValueError as e:
             raise FlagError(str(e)) from None
+    if a.codec == "lowrank":
+        from node.stage.links import codec_settings, forward_frame_tensors
+        from protocol.frames import MAX_TENSORS
+
+        n = forward_frame_tensors(codec_settings(config_from_args(a)))
+        if n > MAX_TENSORS:
+            flags = " ".join(
+                f"{_flag(n)} {getattr(a, n)}"
+                for n in ("lowrank_tiers", "lowrank_first", "lowrank_entropy", "lowrank_repeats")
+            )
+            raise FlagError(
+                f"{flags}: a forward frame would carry {n} tensors, more than the {MAX_TENSORS} a node "
+                "accepts; use fewer tiers or turn one of the others off"
+            )
     if a.finetune == "lora":
         # what moves under LoRA is the adapters; these paths move or filter whole weights
         if a.dp == "scape":

@@ -6,7 +6,9 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 import pytest
+import torch
 
+from compression.codec import LinkContext
 from node.argv import config_from_args, config_to_argv, flag_of
 from node.cli import build_parser
 from node.config import NodeConfig
@@ -153,6 +155,36 @@ def test_lowrank_tiers_flag_is_checked_and_reaches_the_codec():
     assert codec.frame_bytes(2048, 576, "forward") == make_codec(
         "lowrank", tiers=((24, 8), (88, 4)), centre="median", basis_dtype="int8", basis_block=32
     ).frame_bytes(2048, 576, "forward")
+
+
+def test_lowrank_settings_whose_frames_a_node_would_refuse_are_refused_at_the_flags():
+    """Three tiers, the first positions apart and both lossless stages write more tensors per
+    forward frame than a receiver accepts: every microbatch would be refused, so the flags are.
+    The count is checked against the receiver itself: a real word-sized frame of each setting,
+    its sparse labels in, through protocol.frames."""
+    from node.cli import FlagError
+    from node.stage.links import build_codec, codec_settings
+    from protocol.frames import Frame, MalformedFrame, decode_frame, encode_frame, pack_labels
+
+    lossless = ["--lowrank-first", "apart", "--lowrank-entropy", "on", "--lowrank-repeats", "on"]
+
+    def frame(desc: dict) -> bytes:
+        h = torch.randn(8, 29, 576, generator=torch.Generator().manual_seed(1))
+        labels = torch.full((8, 29), -100)
+        labels[:, -3:] = 7  # the answers: a few labelled positions per sequence (sparse layout)
+        payload = build_codec(desc).encode_forward(h, LinkContext())
+        tensors = {**payload, **pack_labels(labels, 49152)}
+        return encode_frame(Frame("forward", "r", codec="lowrank", shape=[8, 29, 576], tensors=tensors))
+
+    with pytest.raises(FlagError, match="would carry 18 tensors, more than the 16") as e:
+        _checked(["join", "--lowrank-tiers", "12x8,36x4,40x2", *lossless])
+    assert "\n" not in str(e.value)
+    refused = codec_settings(_parse(["--lowrank-tiers", "12x8,36x4,40x2", *lossless]))
+    with pytest.raises(MalformedFrame, match="tensors must be a small map"):
+        decode_frame(frame(refused))
+    # two tiers with the same stages fit, and so do three tiers without them
+    for flags in (["--lowrank-tiers", "16x8,64x4", *lossless], ["--lowrank-tiers", "12x8,36x4,40x2"]):
+        assert decode_frame(frame(codec_settings(_checked(["join", *flags])))).kind == "forward"
 
 
 def test_lowrank_first_flag_reaches_the_codec():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from compression.codec import DenseCodec, LinkCodec
+from compression.codec import DenseCodec, LinkCodec, LinkContext
 from compression.mask import is_dense_step
 from compression.registry import make_codec
 from compression.tiered import check_tiers
@@ -149,6 +149,18 @@ def parse_tiers(text: str) -> tuple[tuple[int, int], ...]:
 
 def build_codec(desc: dict) -> LinkCodec:
     return make_codec(desc["codec"], **{k: v for k, v in desc.items() if k != "codec"})
+
+
+def forward_frame_tensors(desc: dict) -> int:
+    """How many tensors a forward frame of this codec carries, its labels' two included: a receiver
+    refuses a frame of more than ``protocol.frames.MAX_TENSORS``, so a run whose frames would hold
+    more can never train. Counted on a small random frame (4 sequences, hidden wider than the
+    codec's directions), since which fields a codec writes depends on many of its settings."""
+    codec = build_codec(desc)
+    dirs = [n for tiers in (desc.get("tiers"), desc.get("backward_tiers")) if tiers for n, _ in tiers]
+    hidden = max(sum(dirs), desc.get("k", 0), desc.get("k_backward", 0)) + 16
+    x = torch.randn(4, 8, hidden, generator=torch.Generator().manual_seed(0))
+    return len(codec.encode_forward(x, LinkContext())) + 2  # + pack_labels' sparse layout
 
 
 class Link:
