@@ -195,6 +195,7 @@ def frame_plots(runs: list[dict], out: Path) -> Path:
             if name == "dense":
                 ax.axhline(0.9 * em, color="g", ls=":", lw=0.8, label=f"0.9 × dense EM (T={t})")
         ax.axvline(1152 / 10, color="r", ls="--", lw=0.8, label="10× fewer bytes than dense bf16")
+        ax.axvline(1152 / 20, color="m", ls="--", lw=0.8, label="20×")
         ax.set_xscale("log")
         ax.set_xlim(40, 1600)
         ax.set_ylim(-0.03, 1.05)
