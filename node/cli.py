@@ -30,7 +30,7 @@ _CODEC_VALUES = {
     "pca_dtype": ("pca", "lowrank"),
     **{
         f"lowrank_{s}": ("lowrank",)
-        for s in ("basis", "tiers", "centre", "first", "fit", "entropy", "repeats")
+        for s in ("basis", "tiers", "backward_tiers", "centre", "first", "fit", "entropy", "repeats")
     },
 }
 # the lowrank flags that --lowrank-tiers overrides (its tiers set both directions' directions and bits)
@@ -65,13 +65,18 @@ def check_run_flags(a: argparse.Namespace) -> None:
         raise FlagError(f"{_flag(tiered_away[0])} does nothing with --lowrank-tiers {a.lowrank_tiers}: the "
                         "tiers set the directions and bits of both directions; leave out one of the two "
                         '(--lowrank-tiers "" codes --codec-k directions at 8 bits)')  # fmt: skip
-    if a.lowrank_tiers:
+    if a.lowrank_tiers or a.lowrank_backward_tiers:
         from node.stage.links import parse_tiers
 
         try:
-            parse_tiers(a.lowrank_tiers)
+            for name in ("lowrank_tiers", "lowrank_backward_tiers"):
+                if getattr(a, name):
+                    parse_tiers(getattr(a, name), _flag(name))
         except ValueError as e:
             raise FlagError(str(e)) from None
+    if a.lowrank_backward_tiers and not a.lowrank_tiers:
+        raise FlagError(f"--lowrank-backward-tiers {a.lowrank_backward_tiers} needs --lowrank-tiers for the "
+                        "forward (a GPU starter's 2048-token frames set 24x8,88x4 by default)")  # fmt: skip
     if a.codec == "lowrank":
         from node.stage.links import codec_settings, forward_frame_tensors
         from protocol.frames import MAX_TENSORS

@@ -290,6 +290,12 @@ class NodeConfig:
         group=RUN,
         resolved=True,
     )  # lowrank: more directions at fewer bits past the first few dozen; node.stage.links.lowrank_layout
+    lowrank_backward_tiers: str = opt(
+        "",
+        help="lowrank codec: the backward's own tiers, DIRSxBITS,... (e.g. 12x8,36x4), with "
+        "--lowrank-tiers for the forward; empty = the forward's (default: empty)",
+        group=RUN,
+    )  # gradients with fewer directions than activations: the 20x frontier (bench/results/quality.md)
     lowrank_centre: str = opt(
         "mean",
         help="lowrank codec: the forward's per-frame centre; median keeps a pretrained LM's few "

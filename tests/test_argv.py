@@ -187,6 +187,30 @@ def test_lowrank_settings_whose_frames_a_node_would_refuse_are_refused_at_the_fl
         assert decode_frame(frame(codec_settings(_checked(["join", *flags])))).kind == "forward"
 
 
+def test_backward_tiers_give_the_backward_its_own_budget_as_the_bench_measured_it():
+    """The 20x candidate of bench/results/quality.md is what these flags make a node run: its
+    description equals the bench variant's, and the backward frame costs what that variant's does."""
+    from bench.quality_codecs import build_codec as bench_codec
+    from bench.quality_tasks import VARIANTS
+    from node.cli import FlagError
+    from node.stage.links import build_codec, codec_settings
+
+    flags = ["--lowrank-tiers", "16x8,64x4", "--lowrank-backward-tiers", "12x8,36x4"]
+    lossless = ["--lowrank-entropy", "on", "--lowrank-repeats", "on"]
+    desc = codec_settings(_checked(["join", "--microbatch-tokens", "2048", *flags, *lossless]))
+    bench = bench_codec(VARIANTS["lowrankt16-64a-b12-36+er"])
+    assert desc == {**bench.describe(), "k": desc["k"]}  # k: unused where tiers set the directions
+    assert desc["tiers"] == [[16, 8], [64, 4]] and desc["backward_tiers"] == [[12, 8], [36, 4]]
+    node = build_codec(desc)
+    for direction in ("forward", "backward"):
+        assert node.frame_bytes(2030, 576, direction, 70) == bench.frame_bytes(2030, 576, direction, 70)
+    assert node.frame_bytes(2030, 576, "backward", 70) < 0.6 * node.frame_bytes(2030, 576, "forward", 70)
+    with pytest.raises(FlagError, match="needs --lowrank-tiers for the forward"):
+        _checked(["join", "--microbatch-tokens", "0", "--lowrank-backward-tiers", "12x8,36x4"])
+    with pytest.raises(FlagError, match="--lowrank-backward-tiers '12x3': expected DIRSxBITS"):
+        _checked(["join", "--microbatch-tokens", "2048", "--lowrank-backward-tiers", "12x3"])
+
+
 def test_lowrank_first_flag_reaches_the_codec():
     from compression.registry import make_codec
     from node.stage.links import codec_settings

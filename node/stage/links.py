@@ -108,6 +108,8 @@ def codec_settings(cfg: NodeConfig, model=None) -> dict:
             kw["backward_bits"] = cfg.lowrank_backward_bits
         if cfg.lowrank_tiers:
             kw["tiers"] = kw["backward_tiers"] = parse_tiers(cfg.lowrank_tiers)
+        if cfg.lowrank_backward_tiers:
+            kw["backward_tiers"] = parse_tiers(cfg.lowrank_backward_tiers, "--lowrank-backward-tiers")
         if cfg.lowrank_centre != "mean":
             kw["centre"] = cfg.lowrank_centre
         if cfg.lowrank_first == "apart":
@@ -134,7 +136,7 @@ def loss_rows(labels: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-def parse_tiers(text: str) -> tuple[tuple[int, int], ...]:
+def parse_tiers(text: str, flag: str = "--lowrank-tiers") -> tuple[tuple[int, int], ...]:
     """``24x8,88x4`` -> ((24, 8), (88, 4)): directions and bits per tier, falling precision."""
     try:
         parts = [part.split("x") for part in text.split(",")]
@@ -143,7 +145,7 @@ def parse_tiers(text: str) -> tuple[tuple[int, int], ...]:
         return check_tiers(tuple((int(n), int(b)) for n, b in parts))
     except ValueError:
         raise ValueError(
-            f"--lowrank-tiers {text!r}: expected DIRSxBITS pairs such as 24x8,88x4 (bits 8, 4 or 2)"
+            f"{flag} {text!r}: expected DIRSxBITS pairs such as 24x8,88x4 (bits 8, 4 or 2)"
         ) from None
 
 
