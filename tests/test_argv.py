@@ -204,7 +204,7 @@ def test_backward_tiers_give_the_backward_its_own_budget_as_the_bench_measured_i
     node = build_codec(desc)
     for direction in ("forward", "backward"):
         assert node.frame_bytes(2030, 576, direction, 70) == bench.frame_bytes(2030, 576, direction, 70)
-    assert node.frame_bytes(2030, 576, "backward", 70) < 0.6 * node.frame_bytes(2030, 576, "forward", 70)
+    assert node.frame_bytes(2030, 576, "backward", 70) < 0.7 * node.frame_bytes(2030, 576, "forward", 70)
     with pytest.raises(FlagError, match="needs --lowrank-tiers for the forward"):
         _checked(["join", "--microbatch-tokens", "0", "--lowrank-backward-tiers", "12x8,36x4"])
     with pytest.raises(FlagError, match="--lowrank-backward-tiers '12x3': expected DIRSxBITS"):
