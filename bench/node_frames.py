@@ -34,6 +34,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -78,7 +79,7 @@ def link_bytes(report: dict) -> dict:
 
 
 def append(path: Path, record: dict) -> None:
-    with open(path.with_suffix(".lock"), "w") as lock:
+    with open(Path(tempfile.gettempdir()) / "bench-node-frames.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         rows = json.loads(path.read_text()) if path.exists() else []
         rows.append(record)
