@@ -86,6 +86,46 @@ def append(path: Path, record: dict) -> None:
         path.write_text(json.dumps(rows, indent=1) + "\n")
 
 
+BENCH_VARIANT = {"dense": "dense", "default": "lowrankt24-88a"}  # the bench's name for each link
+
+
+def plot(records: list[dict], bench_runs: list[dict], path: Path) -> Path:
+    """Training loss per step: each swarm run beside the one-process bench's run of the same link,
+    task and seed (``links.json``), smoothed over 5 steps (one frame per step is noisy)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def smooth(xs: list[float], k: int = 5) -> list[float]:
+        return [
+            sum(xs[max(0, i - k + 1) : i + 1]) / len(xs[max(0, i - k + 1) : i + 1]) for i in range(len(xs))
+        ]
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    for i, rec in enumerate(r for r in records if r.get("loss")):
+        colour = f"C{i}"
+        label = f"{rec['task']} s{rec['seed']} {rec['link']}"
+        ax.plot(range(1, len(rec["loss"]) + 1), smooth(rec["loss"]), color=colour, label=f"swarm, {label}")
+        for b in bench_runs:
+            same = (b["task"], b["seed"], b.get("frame_tokens")) == (rec["task"], rec["seed"], FRAME_TOKENS)
+            if same and b["variant"] == BENCH_VARIANT[rec["link"]] and b["steps"] == len(rec["loss"]) - 1:
+                curve = b["train_loss_curve"]
+                ax.plot(
+                    range(1, len(curve) + 1), smooth(curve), color=colour, ls="--", label=f"bench, {label}"
+                )
+    ax.set_yscale("log")
+    ax.set_xlabel("inner step (one 2,048-token frame each)")
+    ax.set_ylabel("training loss (answer tokens), 5-step mean")
+    ax.set_title("the node's swarm against the one-process bench, same examples", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.node_frames", description=__doc__.split("\n")[0])
     ap.add_argument("--task", default="word")
@@ -96,7 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--workdir", default="runs/node_frames")
     ap.add_argument("--keep", action="store_true", help="keep the run directory (checkpoints, export)")
+    ap.add_argument("--plot", action="store_true", help="only redraw OUT/node_frames.png from the records")
     args = ap.parse_args(argv)
+    out = Path(args.out)
+    if args.plot:
+        records = json.loads((out / "node_frames.json").read_text())
+        bench = json.loads((out / "links.json").read_text()) if (out / "links.json").exists() else []
+        print(plot(records, bench, out / "node_frames.png"))
+        return 0
 
     from node.model.evaluate import completion_budget, evaluate, load_for_eval, write_jsonl
     from node.model.loading import load_model
@@ -138,11 +185,10 @@ def main(argv: list[str] | None = None) -> int:
             "em_after": after["em"],
             "loss_after": after["loss"],
         },
-        "loss_first_last": [rep["loss"][0], rep["loss"][-1]] if rep["loss"] else None,
+        "loss": rep["loss"],  # the tail's training loss per inner step
         "wall_s": round(wall),
         "command": " ".join(["python -m bench.node_frames", *(argv or sys.argv[1:])]),
     }
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     append(out / "node_frames.json", rec)
     print(json.dumps(rec, indent=1), flush=True)
