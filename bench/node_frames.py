@@ -146,9 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from node.model.evaluate import completion_budget, evaluate, load_for_eval, write_jsonl
-    from node.model.loading import load_model
+    from node.model.loading import open_model
 
-    _, tok, _ = load_model("bundled")
+    tok = open_model("bundled").tokenizer()  # the config and tokenizer only, no weights
     train = training_examples(args.task, args.seed, args.steps, tok)
     bench_held = held_out(args.task, args.eval, {e.prompt for e in train})
     run = Path(args.workdir) / f"{args.task}-s{args.seed}-{args.link}"
