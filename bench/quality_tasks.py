@@ -251,6 +251,17 @@ _T24_88A = {
 # the lossless stages of the lowrank link (compression/entropy.py, compression/repeats.py)
 _ER = {"entropy": True, "repeats": True}
 
+# a uniform step in both directions (k set per variant), backward k = 64, the first positions apart
+_Q = {
+    "k_backward": 64,
+    "step": 1.0,
+    "backward_step": 1.0,
+    "first_apart": True,
+    "basis_dtype": "int8",
+    "basis_block": 32,
+    **_ER,
+}
+
 # the short-frame default link (node.stage.links.lowrank_layout below 2048-token microbatches)
 _K80 = {"k": 80, "basis_dtype": "int8", "basis_block": 32}
 
@@ -357,6 +368,11 @@ VARIANTS: dict[str, Variant] = {
             "lowrank",
             {**_T24_88A, **_ER, "tiers": ((16, 8), (96, 2)), "backward_tiers": ((16, 8), (96, 2))},
         ),
+        # one uniform step per frame and direction instead of tiers (compression/stepped.py), the
+        # step the k-th direction's RMS, entropy coding sizing the codes: k = 104 forward, 64
+        # backward, ~21x all-in at 2048-token frames; with k = 96 forward, ~22x
+        Variant("lowrankq104-64s1a+er", "lowrank", {**_Q, "k": 104}),
+        Variant("lowrankq96-64s1a+er", "lowrank", {**_Q, "k": 96}),
         # three tiers, 8/4/2 bits, the backward smaller (~19x before +er)
         Variant(
             "lowrankt12-36-40a-b8-24-24+er",

@@ -30,7 +30,8 @@ _CODEC_VALUES = {
     "pca_dtype": ("pca", "lowrank"),
     **{
         f"lowrank_{s}": ("lowrank",)
-        for s in ("basis", "tiers", "backward_tiers", "centre", "first", "fit", "entropy", "repeats")
+        for s in ("basis", "tiers", "backward_tiers", "centre", "first", "fit", "entropy", "repeats", "step")
+        + ("backward_step",)
     },
 }
 # the lowrank flags that --lowrank-tiers overrides (its tiers set both directions' directions and bits)
@@ -77,6 +78,18 @@ def check_run_flags(a: argparse.Namespace) -> None:
     if a.lowrank_backward_tiers and not a.lowrank_tiers:
         raise FlagError(f"--lowrank-backward-tiers {a.lowrank_backward_tiers} needs --lowrank-tiers for the "
                         "forward (a GPU starter's 2048-token frames set 24x8,88x4 by default)")  # fmt: skip
+    if a.lowrank_step and (a.lowrank_tiers or a.lowrank_backward_tiers):
+        tiers = a.lowrank_tiers or a.lowrank_backward_tiers
+        raise FlagError(f"--lowrank-step {a.lowrank_step} and tiers {tiers} both set how the coefficients "
+                        "are coded; leave out one of the two")  # fmt: skip
+    if a.lowrank_backward_step and not a.lowrank_step:
+        raise FlagError(f"--lowrank-backward-step {a.lowrank_backward_step} needs --lowrank-step for the "
+                        "forward")  # fmt: skip
+    if a.lowrank_step and a.lowrank_entropy != "on":
+        raise FlagError(f"--lowrank-step {a.lowrank_step} leaves the codes' sizes to entropy coding: add "
+                        "--lowrank-entropy on")  # fmt: skip
+    if a.lowrank_step and a.pca_dtype != "int8":
+        raise FlagError(f"--lowrank-step codes int8 steps; leave out --pca-dtype {a.pca_dtype}")
     if a.codec == "lowrank":
         from node.stage.links import codec_settings, forward_frame_tensors
         from protocol.frames import MAX_TENSORS
@@ -419,7 +432,8 @@ def resolve_defaults(args: argparse.Namespace) -> None:
 
     # by the frames it sends; another codec ignores the layout (its flags stay at their defaults)
     layout = lowrank_layout(args.microbatch_tokens) if args.codec == "lowrank" else {}
-    if any(n in given(args) for n in _TIERED_AWAY):  # a k the user gave wins over the resolved tiers
+    # a k or a step the user gave wins over the resolved tiers
+    if any(n in given(args) for n in (*_TIERED_AWAY, "lowrank_step")):
         layout["lowrank_tiers"] = ""
     for name, value in layout.items():
         if getattr(args, name) is None:

@@ -296,6 +296,24 @@ class NodeConfig:
         "--lowrank-tiers for the forward; empty = the forward's (default: empty)",
         group=RUN,
     )  # gradients with fewer directions than activations: the 20x frontier (bench/results/quality.md)
+    lowrank_step: float = opt(
+        0.0,
+        help="lowrank codec: code both directions' coefficients at one uniform step, this fraction of the "
+        "k-th direction's RMS, instead of tiers, so entropy coding gives each direction bits by its energy "
+        "(needs --lowrank-entropy on; --codec-k and --lowrank-k-backward set the directions; 1.0 with "
+        "--codec-k 104 --lowrank-k-backward 64 is the ~21x link); 0 = off (default: %(default)s)",
+        min=0,
+        max=64,
+        group=RUN,
+    )  # lowrank: compression/stepped.py
+    lowrank_backward_step: float = opt(
+        0.0,
+        help="lowrank codec: the backward's own step, with --lowrank-step for the forward; 0 = the "
+        "forward's (default: %(default)s)",
+        min=0,
+        max=64,
+        group=RUN,
+    )  # lowrank: gradients may take a coarser step than activations
     lowrank_centre: str = opt(
         "mean",
         help="lowrank codec: the forward's per-frame centre; median keeps a pretrained LM's few "

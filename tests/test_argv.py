@@ -211,6 +211,39 @@ def test_backward_tiers_give_the_backward_its_own_budget_as_the_bench_measured_i
         _checked(["join", "--microbatch-tokens", "2048", "--lowrank-backward-tiers", "12x3"])
 
 
+def test_a_uniform_step_link_is_what_the_bench_measured_and_its_contradictions_are_refused():
+    """``--lowrank-step`` with its k's makes a node run the bench's stepped variant (its description
+    equal, its frames equal byte for byte on a word-shaped frame); the flags that contradict it, or
+    leave its codes unsized, are refused in one line."""
+    from bench.quality_codecs import build_codec as bench_codec
+    from bench.quality_tasks import VARIANTS
+    from node.cli import FlagError
+    from node.stage.links import build_codec, codec_settings
+
+    step = ["--codec-k", "104", "--lowrank-k-backward", "64", "--lowrank-step", "1"]
+    lossless = ["--lowrank-entropy", "on", "--lowrank-repeats", "on"]
+    desc = codec_settings(_checked(["join", "--microbatch-tokens", "2048", *step, *lossless]))
+    bench = bench_codec(VARIANTS["lowrankq104-64s1a+er"])
+    assert desc == bench.describe() and "tiers" not in desc
+    node = build_codec(desc)
+    h = torch.randn(70, 29, 576, generator=torch.Generator().manual_seed(4)) * torch.logspace(1, -1, 576)
+    for enc in ("encode_forward", "encode_backward"):
+        a, b = getattr(node, enc)(h, LinkContext()), getattr(bench, enc)(h, LinkContext())
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), enc
+    assert codec_settings(_checked(["join", "--microbatch-tokens", "2048", *step, *lossless,
+                                    "--lowrank-backward-step", "2"]))["backward_step"] == 2.0  # fmt: skip
+    for flags, says in (
+        ([*step], "add --lowrank-entropy on"),
+        ([*step, *lossless, "--lowrank-tiers", "24x8,88x4"], "leave out one of the two"),
+        ([*lossless, "--lowrank-backward-step", "2"], "needs --lowrank-step"),
+        (["--codec", "dense", "--lowrank-step", "1"], "does nothing with --codec dense"),
+        ([*step, *lossless, "--pca-dtype", "bfloat16"], "codes int8 steps"),
+    ):
+        with pytest.raises(FlagError, match=says) as e:
+            _checked(["join", "--microbatch-tokens", "2048", *flags])
+        assert "\n" not in str(e.value)
+
+
 def test_lowrank_first_flag_reaches_the_codec():
     from compression.registry import make_codec
     from node.stage.links import codec_settings

@@ -30,6 +30,14 @@ LONG = {  # the long-frame layout, narrowed to H = 256 (tiers of 8 and 24 direct
 }
 PLAIN = {"k": 48, "coeff_dtype": "int8", "basis_dtype": "int8", "basis_block": 32}  # short frames
 GRAD4 = {"k": 48, "k_backward": 64, "backward_bits": 4, "basis_dtype": "int8", "basis_block": 32}
+STEP = {
+    "k": 32,
+    "k_backward": 48,
+    "step": 1.0,
+    "backward_step": 1.0,
+    "basis_dtype": "int8",
+    "basis_block": 32,
+}
 
 
 def _frame(kind: str, b: int = 40, t: int = 50) -> torch.Tensor:
@@ -56,14 +64,16 @@ def _codes(codec, direction: str):
 
 @pytest.mark.parametrize("kind", ["gauss", "heavy"])
 @pytest.mark.parametrize("first_apart", [False, True])
-@pytest.mark.parametrize("layout", [LONG, PLAIN, GRAD4], ids=["tiers", "plain", "grad4bit"])
+@pytest.mark.parametrize("layout", [LONG, PLAIN, GRAD4, STEP], ids=["tiers", "plain", "grad4bit", "step"])
 def test_entropy_coded_link_decodes_bit_identical_with_fewer_bytes(kind, first_apart, layout):
     plain, coded = _pair(layout, first_apart=first_apart)
     x, ctx = _frame(kind), LinkContext()
     for direction in ("forward", "backward"):
         (enc_p, dec_p), (enc_c, dec_c) = _codes(plain, direction), _codes(coded, direction)
         raw, ent = enc_p(x, ctx), enc_c(x, ctx)
-        fields = {"e" + f[0] for f in coded._int_fields(direction, H)}
+        fields = {"e" + f[0] for f in coded._int_fields(direction, H)} | (
+            {"eq"} if "step" in layout else set()
+        )
         assert fields <= set(ent), f"{direction}: {sorted(fields - set(ent))} not entropy coded"
         assert torch.equal(dec_c(ent, ctx, tuple(x.shape)), dec_p(raw, ctx, tuple(x.shape))), direction
         assert payload_nbytes(ent) < payload_nbytes(raw), direction

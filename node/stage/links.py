@@ -110,6 +110,10 @@ def codec_settings(cfg: NodeConfig, model=None) -> dict:
             kw["tiers"] = kw["backward_tiers"] = parse_tiers(cfg.lowrank_tiers)
         if cfg.lowrank_backward_tiers:
             kw["backward_tiers"] = parse_tiers(cfg.lowrank_backward_tiers, "--lowrank-backward-tiers")
+        if cfg.lowrank_step:  # one step in both directions, the backward's own if given
+            kw["step"] = kw["backward_step"] = cfg.lowrank_step
+            if cfg.lowrank_backward_step:
+                kw["backward_step"] = cfg.lowrank_backward_step
         if cfg.lowrank_centre != "mean":
             kw["centre"] = cfg.lowrank_centre
         if cfg.lowrank_first == "apart":
