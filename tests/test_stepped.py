@@ -143,3 +143,29 @@ def test_bad_settings_are_refused():
         LowRankCodec(step=1.0, tiers=((8, 8), (24, 4)))
     with pytest.raises(ValueError, match="backward_bits"):
         LowRankCodec(backward_step=1.0, backward_bits=4)
+
+
+# slow: a real two-process swarm (~75 s); the codec-level tests above are what CI runs
+@pytest.mark.slow
+def test_swarm_with_a_uniform_step_trains_and_sends_the_bytes_its_frames_hold(tmp_path):
+    """``--lowrank-step`` through real frames, p2pd and the DHT: the record carries the step, the
+    loss falls, and each direction sends fewer bytes per token than its uncoded frame would hold."""
+    from tests.conftest import run_swarm
+
+    text = "Volunteers train together over slow links, so every byte on the wire counts. "
+    data = tmp_path / "text.txt"
+    data.write_text("\n\n".join(text * 3 for _ in range(60)))
+    flags = ["--nodes", "2", "--stages", "2", "--steps", "12", "--model", "tiny:2:640", "--lr", "1e-3"]
+    flags += ["--seq-len", "128", "--microbatch", "4", "--batch-tokens", "512", "--data", str(data)]
+    flags += ["--microbatch-tokens", "2048", "--codec-k", "104", "--lowrank-k-backward", "64"]
+    flags += ["--lowrank-step", "1", "--lowrank-entropy", "on", "--lowrank-repeats", "on"]
+    rep = run_swarm(tmp_path / "run", *flags, timeout=400, codec=None)
+    published = rep["codec_settings"]
+    assert published["step"] == published["backward_step"] == 1.0 and "tiers" not in published
+    assert published["k"] == 104 and published["k_backward"] == 64
+    loss = rep["loss"]
+    assert sum(loss[-3:]) / 3 < 0.9 * sum(loss[:3]) / 3
+    uncoded = LowRankCodec(**{k: v for k, v in published.items() if k not in ("codec", "entropy", "repeats")})
+    for lk in rep["links"]:
+        bound = uncoded.frame_bytes(16 * 128, 640, lk["direction"], sequences=16) / (16 * 128)
+        assert lk["bytes_per_token"] < bound, lk
