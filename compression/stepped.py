@@ -24,10 +24,13 @@ QMAX = 127
 
 def encode_stepped(c: torch.Tensor, rel: float) -> Payload:
     """Coefficients ``c`` (rows, k), columns by falling energy, at one step (see the docstring)."""
-    if c.shape[1] == 0:
-        return {"q": torch.zeros(c.shape, dtype=torch.int8), "qstep": torch.zeros(0, dtype=torch.bfloat16)}
-    rms = c.pow(2).mean(dim=0).sqrt() if c.shape[0] else torch.zeros(c.shape[1])
-    step = torch.clamp(c.abs().amax(dim=0) / QMAX if c.shape[0] else rms, min=rel * float(rms[-1]))
+    if c.numel() == 0:  # no rows or no directions: nothing to size a step by
+        return {
+            "q": torch.zeros(c.shape, dtype=torch.int8),
+            "qstep": torch.zeros(c.shape[1], dtype=torch.bfloat16),
+        }
+    rms = c.pow(2).mean(dim=0).sqrt()
+    step = torch.clamp(c.abs().amax(dim=0) / QMAX, min=rel * float(rms[-1]))
     # rounded up as sent, so no code passes ±QMAX after the bf16 rounding of the step
     wire = step.to(torch.bfloat16)
     wire = torch.where(

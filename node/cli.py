@@ -30,8 +30,18 @@ _CODEC_VALUES = {
     "pca_dtype": ("pca", "lowrank"),
     **{
         f"lowrank_{s}": ("lowrank",)
-        for s in ("basis", "tiers", "backward_tiers", "centre", "first", "fit", "entropy", "repeats", "step")
-        + ("backward_step",)
+        for s in (
+            "basis",
+            "tiers",
+            "backward_tiers",
+            "centre",
+            "first",
+            "fit",
+            "entropy",
+            "repeats",
+            "step",
+            "backward_step",
+        )  # fmt: skip
     },
 }
 # the lowrank flags that --lowrank-tiers overrides (its tiers set both directions' directions and bits)
