@@ -41,7 +41,7 @@ _CODEC_VALUES = {
             "repeats",
             "step",
             "backward_step",
-        )  # fmt: skip
+        )
     },
 }
 # the lowrank flags that --lowrank-tiers overrides (its tiers set both directions' directions and bits)
