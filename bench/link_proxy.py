@@ -58,9 +58,9 @@ class _Probe(torch.autograd.Function):
     def backward(ctx, g):
         if not ctx.backward_on:
             return g, None, None, None, None
-        rows = g.reshape(-1, g.shape[-1]).float()
+        rows = g.float()  # the frame's own shape, as a node's reply codes it
         p = ctx.codec.encode_backward(rows, ctx.link)
-        ctx.meter["bwd"] = payload_nbytes(p) / rows.shape[0]
+        ctx.meter["bwd"] = payload_nbytes(p) / rows[..., 0].numel()
         out = ctx.codec.decode_backward(p, ctx.link, tuple(rows.shape))
         return out.reshape(g.shape).to(g.dtype), None, None, None, None
 

@@ -262,6 +262,9 @@ _Q = {
     **_ER,
 }
 
+# and the basis at the coefficients' step, the backward's first positions gained 8x
+_QV = {**_Q, "basis_step": 1.0, "first_gain": 8.0}
+
 # the short-frame default link (node.stage.links.lowrank_layout below 2048-token microbatches)
 _K80 = {"k": 80, "basis_dtype": "int8", "basis_block": 32}
 
@@ -373,6 +376,18 @@ VARIANTS: dict[str, Variant] = {
         # backward, ~21x all-in at 2048-token frames; with k = 96 forward, ~22x
         Variant("lowrankq104-64s1a+er", "lowrank", {**_Q, "k": 104}),
         Variant("lowrankq96-64s1a+er", "lowrank", {**_Q, "k": 96}),
+        # the basis quantised by the coefficients' step (basis_step): the 21.7x link's directions,
+        # then more directions for the bytes it frees
+        Variant("lowrankq104-64s1v1a+er", "lowrank", {**_Q, "k": 104, "basis_step": 1.0}),
+        Variant("lowrankq128-96s1v1a+er", "lowrank", {**_Q, "k": 128, "k_backward": 96, "basis_step": 1.0}),
+        # and the backward's first positions gained 8x (first_gain)
+        Variant(
+            "lowrankq104-64s1v1g8a+er", "lowrank", {**_Q, "k": 104, "basis_step": 1.0, "first_gain": 8.0}
+        ),
+        Variant("lowrankq112-96s1v1g8a+er", "lowrank", {**_QV, "k": 112, "k_backward": 96}),
+        Variant("lowrankq120-96s1v1g8a+er", "lowrank", {**_QV, "k": 120, "k_backward": 96}),
+        Variant("lowrankq128-80s1v1g8a+er", "lowrank", {**_QV, "k": 128, "k_backward": 80}),
+        Variant("lowrankq128-96s1v1g8a+er", "lowrank", {**_QV, "k": 128, "k_backward": 96}),
         # three tiers, 8/4/2 bits, the backward smaller (~19x before +er)
         Variant(
             "lowrankt12-36-40a-b8-24-24+er",

@@ -48,14 +48,15 @@ def _round_scale_up(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def quantize_blockwise(
-    x: torch.Tensor, block: int, bits: int, scale_dtype: torch.dtype
+    x: torch.Tensor, block: int, bits: int, scale_dtype: torch.dtype, floor: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric absmax quantisation of each row of ``x`` (T, n) in blocks of ``block`` values.
 
     Returns ``q`` (T, n) int8 in [-qmax, qmax] with qmax = 2**(bits-1) - 1, and ``scale``
     (T, ceil(n/block)) in ``scale_dtype``. The last block is zero-padded for the absmax only;
     the padding is not part of ``q``. Guarantee: ``|x - q*scale| <= scale/2`` per value (up to
-    fp32 rounding), because the stored scale is rounded up, never down.
+    fp32 rounding), because the stored scale is rounded up, never down. ``floor`` (T,): the
+    smallest step of each row's blocks (a coarser quantiser where the row matters less).
     """
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, not {bits}")
@@ -64,6 +65,8 @@ def quantize_blockwise(
     qmax = 2 ** (bits - 1) - 1
     xp = F.pad(x.to(torch.float32), (0, nb * block - n)).view(t, nb, block)
     s = xp.abs().amax(dim=-1) / qmax
+    if floor is not None:
+        s = torch.maximum(s, floor.to(torch.float32).unsqueeze(-1))
     scale = _round_scale_up(s, scale_dtype)
     sf = scale.to(torch.float32)
     div = torch.where(sf > 0, sf, torch.ones_like(sf))  # all-zero block: q = 0, scale = 0

@@ -47,6 +47,7 @@ COEFF_DTYPES = ("int8", "bfloat16", "float32")
 BASIS_DTYPES = ("int8", "bfloat16", "float32")  # int8: bf16 absmax scales (see basis_block)
 FIRST_K = 4  # directions of the first positions' own basis (identical first tokens need none)
 _NORM_TOL = 0.05  # decoded basis rows are unit vectors up to rounding; more is a malformed frame
+_COARSE_NORM_TOL = 0.5  # the same with ``basis_step``, whose weak directions carry 2-3 bits an entry
 
 
 def top_directions(rows: torch.Tensor, k: int) -> torch.Tensor:
@@ -102,6 +103,8 @@ class LowRankCodec(LinkCodec):
         repeats: bool = False,
         step: float = 0.0,
         backward_step: float = 0.0,
+        basis_step: float = 0.0,
+        first_gain: float = 0.0,
     ):
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
@@ -201,6 +204,33 @@ class LowRankCodec(LinkCodec):
         # Why blocks: the top directions concentrate on the few massive-activation channels, so
         # one absmax per direction leaves the other entries a handful of levels.
         self.basis_block = int(basis_block)
+        # In a direction with a step: the int8 basis's blocks no finer than ``basis_step`` times the
+        # coefficients' step divided by the direction's norm over the frame (0: off), the codes
+        # entropy coded 16 directions to a table. Why: a basis entry's error e in direction j costs
+        # |c_j|·e over the frame, a coefficient's error costs itself, so equal distortion per code
+        # means a basis step of (coefficient step) / |c_j|: the strong directions keep their 8 bits,
+        # the weak ones drop to 2-3. On 2048-token word frames the basis falls from 30 to 20 B/token
+        # forward and 19 to 10 backward at basis_step 1, the frame's error up by 1%
+        # (bench/results/quality.md, sixteenth section).
+        self.basis_step = float(basis_step)
+        if not (math.isfinite(self.basis_step) and self.basis_step >= 0):
+            raise ValueError(f"basis_step must be a finite number >= 0 (0: off), got {basis_step}")
+        if self.basis_step and not (
+            (self.step or self.backward_step) and basis_dtype == "int8" and self.entropy
+        ):
+            raise ValueError(
+                "basis_step needs a step (step or backward_step), an int8 basis and entropy coding"
+            )
+        # The backward's first position of every sequence multiplied by ``first_gain`` before coding
+        # and divided after (0: off). Why: the attention-sink position's gradient is 2-4x smaller
+        # than the others' past the first boundary, so neither the basis nor a uniform step spends
+        # anything on it, yet through the sink's massive activations it carries a large share of
+        # the upstream stage's weight gradient: on 2048-token word frames, step-coded at k = 128,
+        # stage 1's weight gradient is off by 0.31 with no gain and by 0.045 at gain 8, at the same
+        # bytes (bench/results/quality.md, sixteenth section).
+        self.first_gain = float(first_gain)
+        if not (math.isfinite(self.first_gain) and self.first_gain >= 0):
+            raise ValueError(f"first_gain must be a finite number >= 0 (0: off), got {first_gain}")
         self._sdtype = WIRE_DTYPES[scale_dtype]
         self._bdtype = WIRE_DTYPES.get(basis_dtype, torch.bfloat16)  # the mean's dtype with an int8 basis
 
@@ -231,6 +261,27 @@ class LowRankCodec(LinkCodec):
         wire = vt.to(self._bdtype)
         return {"v": wire}, wire.to(torch.float32)
 
+    def _coarse(self, direction: str) -> bool:
+        """Whether ``direction``'s basis is quantised by the coefficients' step (``basis_step``)."""
+        return bool(self.basis_step and self._step_of(direction))
+
+    def _stepped_basis(
+        self, rows: torch.Tensor, fit: torch.Tensor, k: int, step: float
+    ) -> tuple[Payload, torch.Tensor, torch.Tensor]:
+        """The top directions of ``fit`` as sent (see ``basis_step``), as both ends will use them,
+        and the coefficients of ``rows`` in the exact directions. Why exact: in the rounded basis a
+        coarse direction would pick up a share of every strong one through its rounding error."""
+        v = top_directions(fit, k).T.contiguous()  # (k, H)
+        c = rows @ v.T
+        floor = None
+        if c.shape[0]:
+            norm = c.norm(dim=0)
+            delta = step * float(c[:, -1].pow(2).mean().sqrt())  # encode_stepped's step
+            floor = torch.where(norm > 0, self.basis_step * delta / norm.clamp_min(1e-30), 0.0)
+        bb = self._bblock(v.shape[1])
+        q, scale = quantize_blockwise(v, bb, 8, torch.bfloat16, floor)
+        return {"vq": q, "vscale": scale}, dequantize_blockwise(q, scale, bb), c
+
     def _bblock(self, hidden: int) -> int:
         return self.basis_block or hidden
 
@@ -249,15 +300,19 @@ class LowRankCodec(LinkCodec):
         if (
             vt.dim() != 2
             or vt.shape[0] > self._k(direction, vt.shape[1])
-            or float(vt.norm(dim=1).max()) > 1 + _NORM_TOL
+            or float(vt.norm(dim=1).max()) > 1 + (_COARSE_NORM_TOL if self._coarse(direction) else _NORM_TOL)
         ):
             raise ValueError("lowrank basis is not a set of at most k unit vectors")
         return vt
 
     def _encode(self, rows: torch.Tensor, direction: str, fit: torch.Tensor | None = None) -> Payload:
         """``rows`` coded in the top directions of ``fit`` (default: of ``rows`` themselves)."""
-        out, vt = self._basis(rows if fit is None else fit, self._k(direction, rows.shape[-1]))
-        c = rows @ vt.T
+        k = self._k(direction, rows.shape[-1])
+        if self._coarse(direction):
+            out, vt, c = self._stepped_basis(rows, rows if fit is None else fit, k, self._step_of(direction))
+        else:
+            out, vt = self._basis(rows if fit is None else fit, k)
+            c = rows @ vt.T
         tiers = self._tiers(direction, rows.shape[-1])
         if tiers:
             out.update(encode_tiers(c, tiers, self.block))
@@ -292,7 +347,7 @@ class LowRankCodec(LinkCodec):
         covers; a zero block scale forces zero codes there (``quantize_blockwise``), so those
         positions are not coded at all (a gradient's rows past the last labelled position)."""
         out = []
-        if self.basis_dtype == "int8":
+        if self.basis_dtype == "int8" and not self._coarse(direction):  # else by column groups
             out.append(("vq", "vscale", 8, hidden, self._bblock(hidden)))
         tiers = self._tiers(direction, hidden)
         if tiers:
@@ -324,6 +379,12 @@ class LowRankCodec(LinkCodec):
             if blob is not None:
                 del payload[name]
                 payload["e" + name] = blob
+        if self._coarse(direction):  # a table per 16 directions: their steps differ by direction
+            vq = payload["vq"]
+            blob = encode_column_groups(vq.T.contiguous(), -127, 127, vq.numel())
+            if blob is not None:
+                payload["evq"] = blob
+                del payload["vq"]
         if self._step_of(direction):
             blob = encode_column_groups(payload["q"], -127, 127, payload["q"].numel())
             if blob is not None:
@@ -359,6 +420,15 @@ class LowRankCodec(LinkCodec):
             else:
                 q = decode_symbols(blob, n * cols, -qmax, qmax).to(scale.device, torch.int8).view(n, cols)
             out[name] = pack_int4(q) if bits == 4 else q
+        blob = out.pop("evq", None) if self._coarse(direction) else None
+        if blob is not None:
+            if "vq" in out or "vscale" not in out or out["vscale"].dim() != 2:
+                raise ValueError("lowrank frame carries its basis coded and raw, or without its scales")
+            n, blocks = out["vscale"].shape
+            if n > self._k(direction, hidden) or blocks != math.ceil(hidden / self._bblock(hidden)):
+                raise ValueError("lowrank basis is not a set of at most k unit vectors")
+            vq = decode_column_groups(blob, hidden, n, -127, 127).T.contiguous()
+            out["vq"] = vq.to(out["vscale"].device, torch.int8)
         blob = out.pop("eq", None) if self._step_of(direction) else None
         if blob is not None:
             if not self.entropy:
@@ -500,12 +570,22 @@ class LowRankCodec(LinkCodec):
             raise ValueError("lowrank first positions' codes and scales do not match")
         return self._plain_values(sub) @ vt + mean.to(torch.float32)
 
+    def _gained(self, shape: tuple[int, ...]) -> bool:
+        """Whether a backward frame of ``shape`` has its first positions gained (``first_gain``)."""
+        return bool(self.first_gain) and len(shape) == 3 and shape[1] > 1
+
     def encode_backward(self, g: torch.Tensor, ctx: LinkContext) -> Payload:
-        return self._encode(g.detach().reshape(-1, g.shape[-1]).to(torch.float32), "backward")
+        g = g.detach().to(torch.float32)
+        if self._gained(tuple(g.shape)):
+            g = torch.cat([g[:, :1] * self.first_gain, g[:, 1:]], dim=1)
+        return self._encode(g.reshape(-1, g.shape[-1]), "backward")
 
     def decode_backward(self, payload: Payload, ctx: LinkContext, shape: tuple[int, ...]) -> torch.Tensor:
         rows = math.prod(shape[:-1])
-        return self._decode(payload, "backward", shape[-1], rows).reshape(shape)
+        out = self._decode(payload, "backward", shape[-1], rows).reshape(shape)
+        if self._gained(tuple(shape)):
+            out = torch.cat([out[:, :1] / self.first_gain, out[:, 1:]], dim=1)
+        return out
 
     def coeff_bytes_per_token(self, hidden: int, direction: str = "forward") -> float:
         tiers = self._tiers(direction, hidden)
@@ -585,6 +665,10 @@ class LowRankCodec(LinkCodec):
             d["step"] = self.step
         if self.backward_step:
             d["backward_step"] = self.backward_step
+        if self.basis_step:
+            d["basis_step"] = self.basis_step
+        if self.first_gain:
+            d["first_gain"] = self.first_gain
         return d
 
     def payload_dtypes(self) -> dict[str, torch.dtype]:

@@ -41,6 +41,8 @@ _CODEC_VALUES = {
             "repeats",
             "step",
             "backward_step",
+            "basis_step",
+            "first_gain",
         )
     },
 }
@@ -95,6 +97,13 @@ def check_run_flags(a: argparse.Namespace) -> None:
     if a.lowrank_backward_step and not a.lowrank_step:
         raise FlagError(f"--lowrank-backward-step {a.lowrank_backward_step} needs --lowrank-step for the "
                         "forward")  # fmt: skip
+    if a.lowrank_basis_step and not a.lowrank_step:
+        raise FlagError(f"--lowrank-basis-step {a.lowrank_basis_step} sizes the basis by the coefficients' "
+                        "step: add --lowrank-step")  # fmt: skip
+    if a.lowrank_basis_step and a.lowrank_basis != "int8":
+        raise FlagError(
+            f"--lowrank-basis-step quantises an int8 basis; leave out --lowrank-basis {a.lowrank_basis}"
+        )
     if a.lowrank_step and a.lowrank_entropy != "on":
         raise FlagError(f"--lowrank-step {a.lowrank_step} leaves the codes' sizes to entropy coding: add "
                         "--lowrank-entropy on")  # fmt: skip

@@ -314,6 +314,25 @@ class NodeConfig:
         max=64,
         group=RUN,
     )  # lowrank: gradients may take a coarser step than activations
+    lowrank_basis_step: float = opt(
+        0.0,
+        help="lowrank codec: with --lowrank-step, quantise the int8 basis no finer than this times the "
+        "coefficients' step over the direction's norm, so weak directions' basis entries take 2-3 bits "
+        "instead of 8 (~1/3 of the basis bytes saved at 1.0, the frame's error up ~1%%); 0 = off "
+        "(default: %(default)s)",
+        min=0,
+        max=64,
+        group=RUN,
+    )  # lowrank: compression.lowrank.LowRankCodec.basis_step
+    lowrank_first_gain: float = opt(
+        0.0,
+        help="lowrank codec: multiply the backward's first position of every sequence by this before "
+        "coding and divide after, so the attention sink's small but weighty gradient is kept (8 cuts "
+        "the second stage's weight-gradient error ~6x at the same bytes); 0 = off (default: %(default)s)",
+        min=0,
+        max=1024,
+        group=RUN,
+    )  # lowrank: compression.lowrank.LowRankCodec.first_gain
     lowrank_centre: str = opt(
         "mean",
         help="lowrank codec: the forward's per-frame centre; median keeps a pretrained LM's few "

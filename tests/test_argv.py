@@ -244,6 +244,39 @@ def test_a_uniform_step_link_is_what_the_bench_measured_and_its_contradictions_a
         assert "\n" not in str(e.value)
 
 
+def test_a_stepped_basis_with_gained_sinks_is_what_the_bench_measured_and_needs_its_step():
+    """``--lowrank-basis-step`` and ``--lowrank-first-gain`` make a node run the bench's
+    ``lowrankq112-96s1v1g8a+er`` (frames equal byte for byte, both directions); a basis step with
+    no coefficient step to size it by, or on a basis that is not int8, is refused in one line."""
+    from bench.quality_codecs import build_codec as bench_codec
+    from bench.quality_tasks import VARIANTS
+    from node.cli import FlagError
+    from node.stage.links import build_codec, codec_settings
+
+    step = ["--codec-k", "112", "--lowrank-k-backward", "96", "--lowrank-step", "1"]
+    more = ["--lowrank-basis-step", "1", "--lowrank-first-gain", "8"]
+    lossless = ["--lowrank-entropy", "on", "--lowrank-repeats", "on"]
+    desc = codec_settings(_checked(["join", "--microbatch-tokens", "2048", *step, *more, *lossless]))
+    bench = bench_codec(VARIANTS["lowrankq112-96s1v1g8a+er"])
+    assert desc == bench.describe()
+    node = build_codec(desc)
+    h = torch.randn(70, 29, 576, generator=torch.Generator().manual_seed(4)) * torch.logspace(1, -1, 576)
+    for enc in ("encode_forward", "encode_backward"):
+        a, b = getattr(node, enc)(h, LinkContext()), getattr(bench, enc)(h, LinkContext())
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), enc
+    for flags, says in (
+        ([*lossless, "--lowrank-basis-step", "1"], "add --lowrank-step"),
+        (
+            [*step, *lossless, "--lowrank-basis-step", "1", "--lowrank-basis", "bfloat16"],
+            "quantises an int8 basis",
+        ),
+        (["--codec", "dense", "--lowrank-first-gain", "8"], "does nothing with --codec dense"),
+    ):
+        with pytest.raises(FlagError, match=says) as e:
+            _checked(["join", "--microbatch-tokens", "2048", *flags])
+        assert "\n" not in str(e.value)
+
+
 def test_lowrank_first_flag_reaches_the_codec():
     from compression.registry import make_codec
     from node.stage.links import codec_settings

@@ -114,6 +114,10 @@ def codec_settings(cfg: NodeConfig, model=None) -> dict:
             kw["step"] = kw["backward_step"] = cfg.lowrank_step
             if cfg.lowrank_backward_step:
                 kw["backward_step"] = cfg.lowrank_backward_step
+            if cfg.lowrank_basis_step:
+                kw["basis_step"] = cfg.lowrank_basis_step
+        if cfg.lowrank_first_gain:
+            kw["first_gain"] = cfg.lowrank_first_gain
         if cfg.lowrank_centre != "mean":
             kw["centre"] = cfg.lowrank_centre
         if cfg.lowrank_first == "apart":
