@@ -109,6 +109,44 @@ def test_a_hop_waits_out_replicas_that_are_all_busy_and_keeps_their_routes():
     assert set(client.ctx.routes[1]) == {"QmA", "QmB"}  # busy peers stay routable
 
 
+def test_a_hop_tries_the_only_replica_again_when_it_was_reached_but_never_one_it_could_not_reach():
+    """A stream closed mid-message (a relay dropping it) leaves the peer alive: with no other
+    replica the microbatch goes to it once more instead of being dropped. A peer that could not be
+    reached, or answered nothing in time, is not tried twice."""
+    import asyncio
+
+    import pytest
+
+    from node.stage.hop import HopFailed
+    from protocol.frames import Frame
+
+    for reached, calls_made in ((True, 2), (False, 1)):
+        calls = []
+
+        async def call_peer(peer, data, boundary, tokens=0, reached=reached, calls=calls):
+            calls.append(peer)
+            if len(calls) == 1:
+                raise HopFailed(f"{peer} did not answer: stream closed mid-message", reached=reached)
+            return Frame(kind="backward", run_id="r", microbatch=7)
+
+        client = _hop_client({"QmA": StageRecord(ready=True)})
+        client.call_peer = call_peer
+        if reached:
+            assert asyncio.run(client.send_downstream(b"x", 7, 1)).microbatch == 7
+        else:
+            with pytest.raises(HopFailed, match="no live peer serves stage 1"):
+                asyncio.run(client.send_downstream(b"x", 7, 1))
+        assert calls == ["QmA"] * calls_made
+
+    async def closes(peer, data, boundary, tokens=0):  # reached, but closes every time
+        raise HopFailed(f"{peer} did not answer: stream closed mid-message", reached=True)
+
+    client = _hop_client({"QmA": StageRecord(ready=True)})
+    client.call_peer = closes
+    with pytest.raises(HopFailed, match="stream closed"):
+        asyncio.run(client.send_downstream(b"x", 7, 1))
+
+
 def test_a_hop_gives_up_after_two_failures_and_past_its_deadline_when_busy():
     import asyncio
     import time

@@ -32,13 +32,15 @@ class HopFailed(RuntimeError):
     """The next stage could not be reached or did not answer; ``retry`` if another peer may help.
 
     ``busy``: the peer answered that it takes no work now (an outer round, a SCAPE exchange, a tied
-    sync): it is alive, and will take work again in about a second.
+    sync): it is alive, and will take work again in about a second. ``reached``: a stream to the
+    peer was open when the hop broke (closed or reset mid-message, not a timeout): it was alive.
     """
 
-    def __init__(self, msg: str, retry: bool = True, busy: bool = False):
+    def __init__(self, msg: str, retry: bool = True, busy: bool = False, reached: bool = False):
         super().__init__(msg)
         self.retry = retry
         self.busy = busy
+        self.reached = reached
 
 
 # All replicas of the next stage busy (they average together in an outer round, ~1 s): wait and
@@ -121,7 +123,8 @@ class HopClient:
                     raise HopFailed(f"{peer[:12]} left the swarm mid-hop (its record expired, no answer)")
             reply = io.result()
         except (asyncio.TimeoutError, ConnectionError, OSError, FrameError) as e:
-            raise HopFailed(f"{peer[:12]} did not answer: {type(e).__name__} {e}") from None
+            reached = bool(opened) and not isinstance(e, asyncio.TimeoutError)
+            raise HopFailed(f"{peer[:12]} did not answer: {type(e).__name__} {e}", reached=reached) from None
         finally:
             if left is not None:
                 left.cancel()
@@ -157,12 +160,17 @@ class HopClient:
 
     async def send_downstream(self, data: bytes, microbatch: int, tokens: int) -> Frame:
         """Send FORWARD frame bytes to a peer of the next stage; retry once through another peer
-        after a failure, and wait out replicas that are busy (see ``BUSY_RETRY_S``)."""
+        after a failure (through the same one if it is the only one and was reached), and wait out
+        replicas that are busy (see ``BUSY_RETRY_S``)."""
         ctx = self.ctx
         nxt = ctx.index + 1
         tried: set[str] = set()
         last: HopFailed | None = None
         failures = 0
+        # A stream that closed mid-message (a relay or NAT dropping it) says the peer is alive: with
+        # no other replica, one more try through it keeps the microbatch (tests/test_nat.py once
+        # lost one so). A peer not reached at all, or timed out, gets no second try.
+        again: str | None = None
         wait, give_up = BUSY_RETRY_S[0], time.monotonic() + self.deadline(ctx.index)
         while failures < 2:
             peer = choose_peer(ctx.routes[nxt], ctx.cfg.circuit, tried, self.rng)
@@ -174,6 +182,8 @@ class HopClient:
                 wait = min(2 * wait, BUSY_RETRY_S[1])
                 tried.clear()  # every replica again: the busy ones are alive
                 continue
+            if peer is None and again is not None:
+                peer, again = again, None
             if peer is None:
                 if last is not None and last.busy:
                     raise last
@@ -188,6 +198,7 @@ class HopClient:
                     continue
                 log.info("hop to stage %d failed: %s", nxt, e)
                 ctx.routes[nxt].pop(peer, None)  # stop choosing it until it heartbeats again
+                again = peer if e.reached and failures == 0 else None
                 failures += 1
                 if not e.retry:
                     break
