@@ -355,6 +355,8 @@ VARIANTS: dict[str, Variant] = {
         # issue 35, links at 20x. "+er": the lossless stages on (entropy-coded codes and basis,
         # repeated rows as references; decoded tensors bit-identical, so learning as without them)
         Variant("lowrankt24-88a+er", "lowrank", {**_T24_88A, **_ER}),
+        # the default with the backward's sink positions gained 8x (first_gain): same bytes
+        Variant("lowrankt24-88g8a+er", "lowrank", {**_T24_88A, **_ER, "first_gain": 8.0}),
         # fewer directions, fewer for the backward: ~20x all-in with +er at 2048-token frames
         Variant(
             "lowrankt16-64a-b12-36+er",
