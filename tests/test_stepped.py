@@ -245,8 +245,9 @@ def test_malformed_stepped_bases_are_refused_in_one_line(damage):
 # slow: a real two-process swarm (~75 s); the codec-level tests above are what CI runs
 @pytest.mark.slow
 def test_swarm_with_a_uniform_step_trains_and_sends_the_bytes_its_frames_hold(tmp_path):
-    """``--lowrank-step`` through real frames, p2pd and the DHT: the record carries the step, the
-    loss falls, and each direction sends fewer bytes per token than its uncoded frame would hold."""
+    """``--lowrank-step`` (with the basis at its step and the sinks gained) through real frames,
+    p2pd and the DHT: the record carries the settings, the loss falls, and each direction sends
+    fewer bytes per token than its uncoded frame would hold."""
     from tests.conftest import run_swarm
 
     text = "Volunteers train together over slow links, so every byte on the wire counts. "
@@ -256,13 +257,16 @@ def test_swarm_with_a_uniform_step_trains_and_sends_the_bytes_its_frames_hold(tm
     flags += ["--seq-len", "128", "--microbatch", "4", "--batch-tokens", "512", "--data", str(data)]
     flags += ["--microbatch-tokens", "2048", "--codec-k", "104", "--lowrank-k-backward", "64"]
     flags += ["--lowrank-step", "1", "--lowrank-entropy", "on", "--lowrank-repeats", "on"]
+    flags += ["--lowrank-basis-step", "1", "--lowrank-first-gain", "8"]
     rep = run_swarm(tmp_path / "run", *flags, timeout=400, codec=None)
     published = rep["codec_settings"]
     assert published["step"] == published["backward_step"] == 1.0 and "tiers" not in published
     assert published["k"] == 104 and published["k_backward"] == 64
+    assert published["basis_step"] == 1.0 and published["first_gain"] == 8.0
     loss = rep["loss"]
     assert sum(loss[-3:]) / 3 < 0.9 * sum(loss[:3]) / 3
-    uncoded = LowRankCodec(**{k: v for k, v in published.items() if k not in ("codec", "entropy", "repeats")})
+    lossless = ("codec", "entropy", "repeats", "basis_step")  # basis_step: only with entropy coding
+    uncoded = LowRankCodec(**{k: v for k, v in published.items() if k not in lossless})
     for lk in rep["links"]:
         bound = uncoded.frame_bytes(16 * 128, 640, lk["direction"], sequences=16) / (16 * 128)
         assert lk["bytes_per_token"] < bound, lk
