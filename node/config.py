@@ -301,7 +301,8 @@ class NodeConfig:
         help="lowrank codec: code both directions' coefficients at one uniform step, this fraction of the "
         "k-th direction's RMS, instead of tiers, so entropy coding gives each direction bits by its energy "
         "(needs --lowrank-entropy on; --codec-k and --lowrank-k-backward set the directions; 1.0 with "
-        "--codec-k 104 --lowrank-k-backward 64 is the ~21x link); 0 = off (default: %(default)s)",
+        "--codec-k 128 --lowrank-k-backward 96 --lowrank-basis-step 1 --lowrank-first-gain 8 is the ~20x "
+        "link); 0 = off (default: %(default)s)",
         min=0,
         max=64,
         group=RUN,
