@@ -153,21 +153,24 @@ def test_bad_settings_are_refused():
             LowRankCodec(**kw, basis_step=1.0)
 
 
+# k = 48 in both directions at step 1, entropy coded: the link the two tests below change
+STEPPED = {
+    "k": 48,
+    "step": 1.0,
+    "backward_step": 1.0,
+    "basis_dtype": "int8",
+    "basis_block": 32,
+    "entropy": True,
+}
+
+
 def test_a_stepped_basis_costs_fewer_bytes_for_the_same_error_and_decodes_within_its_block_steps():
     """``basis_step``: the weak directions' basis entries take the coefficients' step over the
     direction's norm. Against the same link with an 8-bit basis everywhere, on a falling spectrum:
     the frame shrinks, its error barely moves, every decoded basis entry lies within half its block
     step of the exact direction, and the weak directions' steps are the coarse ones."""
     x = _falling()
-    kw = {
-        "k": 48,
-        "step": 1.0,
-        "backward_step": 1.0,
-        "basis_dtype": "int8",
-        "basis_block": 32,
-        "entropy": True,
-    }
-    plain, coarse = LowRankCodec(**kw), LowRankCodec(**kw, basis_step=1.0)
+    plain, coarse = LowRankCodec(**STEPPED), LowRankCodec(**STEPPED, basis_step=1.0)
     out = []
     for c in (plain, coarse):
         for enc, dec in ((c.encode_forward, c.decode_forward), (c.encode_backward, c.decode_backward)):
@@ -197,24 +200,16 @@ def test_a_gained_first_position_keeps_a_small_sink_gradient_the_step_would_zero
     g = torch.Generator().manual_seed(5)
     x = _falling().reshape(16, 64, 128).clone()
     x[:, 0] = 0.25 * torch.randn(16, 4, generator=g) @ torch.randn(4, 128, generator=g) / 128**0.5
-    kw = {
-        "k": 48,
-        "step": 1.0,
-        "backward_step": 1.0,
-        "basis_dtype": "int8",
-        "basis_block": 32,
-        "entropy": True,
-    }
     errs = []
     for gain in (0.0, 8.0):
-        c = LowRankCodec(**kw, first_gain=gain)
+        c = LowRankCodec(**STEPPED, first_gain=gain)
         y = c.decode_backward(c.encode_backward(x, CTX), CTX, tuple(x.shape))
         errs.append([float((y - x)[:, sl].norm() / x[:, sl].norm()) for sl in (0, slice(1, None))])
     (sink0, rest0), (sink8, rest8) = errs
     assert sink0 > 0.5 and sink8 < 0.2 and rest8 < 1.6 * rest0, errs
     flat = x.reshape(-1, 128)
-    a = LowRankCodec(**kw, first_gain=8.0).encode_backward(flat, CTX)
-    b = LowRankCodec(**kw).encode_backward(flat, CTX)
+    a = LowRankCodec(**STEPPED, first_gain=8.0).encode_backward(flat, CTX)
+    b = LowRankCodec(**STEPPED).encode_backward(flat, CTX)
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
