@@ -383,9 +383,7 @@ VARIANTS: dict[str, Variant] = {
         Variant("lowrankq104-64s1v1a+er", "lowrank", {**_Q, "k": 104, "basis_step": 1.0}),
         Variant("lowrankq128-96s1v1a+er", "lowrank", {**_Q, "k": 128, "k_backward": 96, "basis_step": 1.0}),
         # and the backward's first positions gained 8x (first_gain)
-        Variant(
-            "lowrankq104-64s1v1g8a+er", "lowrank", {**_Q, "k": 104, "basis_step": 1.0, "first_gain": 8.0}
-        ),
+        Variant("lowrankq104-64s1v1g8a+er", "lowrank", {**_QV, "k": 104}),
         Variant("lowrankq112-96s1v1g8a+er", "lowrank", {**_QV, "k": 112, "k_backward": 96}),
         Variant("lowrankq120-96s1v1g8a+er", "lowrank", {**_QV, "k": 120, "k_backward": 96}),
         Variant("lowrankq128-80s1v1g8a+er", "lowrank", {**_QV, "k": 128, "k_backward": 80}),

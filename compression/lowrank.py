@@ -33,7 +33,7 @@ from compression.baselines import (
 from compression.codec import WIRE_DTYPES, LinkCodec, LinkContext, Payload
 from compression.entropy import decode_column_groups, decode_symbols, encode_column_groups, encode_symbols
 from compression.repeats import drop_repeats, restore_repeats
-from compression.stepped import decode_stepped, encode_stepped
+from compression.stepped import decode_stepped, encode_stepped, frame_step
 from compression.tiered import (
     check_tiers,
     decode_tiers,
@@ -276,8 +276,8 @@ class LowRankCodec(LinkCodec):
         floor = None
         if c.shape[0]:
             norm = c.norm(dim=0)
-            delta = step * float(c[:, -1].pow(2).mean().sqrt())  # encode_stepped's step
-            floor = torch.where(norm > 0, self.basis_step * delta / norm.clamp_min(1e-30), 0.0)
+            delta = self.basis_step * frame_step(c, step)
+            floor = torch.where(norm > 0, delta / norm.clamp_min(1e-30), 0.0)
         bb = self._bblock(v.shape[1])
         q, scale = quantize_blockwise(v, bb, 8, torch.bfloat16, floor)
         return {"vq": q, "vscale": scale}, dequantize_blockwise(q, scale, bb), c

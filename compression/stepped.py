@@ -22,6 +22,11 @@ from compression.codec import Payload
 QMAX = 127
 
 
+def frame_step(c: torch.Tensor, rel: float) -> float:
+    """The frame's step before any column's raise: ``rel`` times the last column's RMS (rows > 0)."""
+    return rel * float(c.pow(2).mean(dim=0)[-1].sqrt())
+
+
 def encode_stepped(c: torch.Tensor, rel: float) -> Payload:
     """Coefficients ``c`` (rows, k), columns by falling energy, at one step (see the docstring)."""
     if c.numel() == 0:  # no rows or no directions: nothing to size a step by
@@ -29,8 +34,7 @@ def encode_stepped(c: torch.Tensor, rel: float) -> Payload:
             "q": torch.zeros(c.shape, dtype=torch.int8),
             "qstep": torch.zeros(c.shape[1], dtype=torch.bfloat16),
         }
-    rms = c.pow(2).mean(dim=0).sqrt()
-    step = torch.clamp(c.abs().amax(dim=0) / QMAX, min=rel * float(rms[-1]))
+    step = torch.clamp(c.abs().amax(dim=0) / QMAX, min=frame_step(c, rel))
     # rounded up as sent, so no code passes ±QMAX after the bf16 rounding of the step
     wire = step.to(torch.bfloat16)
     wire = torch.where(

@@ -198,7 +198,7 @@ class HopClient:
                     continue
                 log.info("hop to stage %d failed: %s", nxt, e)
                 ctx.routes[nxt].pop(peer, None)  # stop choosing it until it heartbeats again
-                again = peer if e.reached and failures == 0 else None
+                again = peer if e.reached else None
                 failures += 1
                 if not e.retry:
                     break
