@@ -12,7 +12,7 @@ import torch
 
 from compression.codec import LinkContext, payload_nbytes
 from compression.entropy import COLUMN_GROUP, decode_column_groups, encode_column_groups
-from compression.lowrank import LowRankCodec, top_directions
+from compression.lowrank import LowRankCodec, join_uniform_rows, split_uniform_rows, top_directions
 from compression.stepped import decode_stepped, encode_stepped
 
 CTX = LinkContext()
@@ -186,10 +186,48 @@ def test_a_stepped_basis_costs_fewer_bytes_for_the_same_error_and_decodes_within
 
     assert basis(p) < 0.8 * basis(q), (basis(p), basis(q))  # measured: 4734 B against 6528
     exact = top_directions(x, 48).T  # what the sender fitted (backward rows: uncentred)
-    sent = coarse._basis_of(coarse._entropy_decode(dict(p), "backward", 128, 1024), "backward")
-    step = p["vscale"].float().repeat_interleave(32, dim=1)
+    whole = _whole_scales(p)
+    sent = coarse._basis_of(coarse._entropy_decode(whole, "backward", 128, 1024), "backward")
+    step = whole["vscale"].float().repeat_interleave(32, dim=1)
     assert bool(((sent - exact).abs() <= step / 2 * (1 + 1e-3)).all())
-    assert float(p["vscale"][-1].float().min()) > 5 * float(p["vscale"][0].float().max())
+    assert float(step[-1].min()) > 5 * float(step[0].max())
+
+
+def test_only_the_trailing_one_scale_rows_are_split_off():
+    """A one-scale row before a row whose blocks differ stays whole: the receiver rebuilds the rows
+    in order, head first."""
+    scale = torch.tensor([[1.0, 2.0], [3.0, 3.0], [4.0, 5.0], [6.0, 6.0], [7.0, 7.0]], dtype=torch.bfloat16)
+    sent = split_uniform_rows(scale)
+    assert sent["vscale"].shape == (3, 2) and sent["vrow"].tolist() == [6.0, 7.0]
+    assert torch.equal(join_uniform_rows(sent["vscale"], sent["vrow"], 64, 32), scale)
+    with pytest.raises(ValueError, match="scales must be"):
+        join_uniform_rows(sent["vscale"], sent["vrow"], 96, 32)  # three blocks a row, not two
+
+
+def _whole_scales(p: dict) -> dict:
+    """``p`` with its basis scales sent whole: one per block of every row, no ``vrow``."""
+    out = {k: v for k, v in p.items() if k != "vrow"}
+    return out | {"vscale": torch.cat([p["vscale"], p["vrow"][:, None].expand(-1, 4)])}
+
+
+def test_one_scale_basis_rows_travel_as_one_value_and_decode_bit_for_bit():
+    """The stepped basis's trailing rows whose blocks share one scale (its weak directions, floored
+    at one step) travel as that value: the frame shrinks, and it decodes to exactly what the same
+    frame with every block's scale sent decodes to, both directions."""
+    g = torch.Generator().manual_seed(3)
+    strong = torch.randn(1024, 2, generator=g) @ torch.linalg.qr(torch.randn(128, 2, generator=g))[0].T
+    x = _falling()
+    x = (x + 10 * x.std() * strong).reshape(16, 64, 128)  # two directions too strong to floor
+    c = LowRankCodec(**STEPPED, basis_step=1.0)
+    for enc, dec in ((c.encode_forward, c.decode_forward), (c.encode_backward, c.decode_backward)):
+        p = enc(x, CTX)
+        assert p["vscale"].shape[0] == 2 and p["vrow"].numel() == 46, (p["vscale"].shape, p["vrow"].shape)
+        whole = _whole_scales(p)
+        assert payload_nbytes(p) <= payload_nbytes(whole) - 6 * p["vrow"].numel()  # 3 bf16 a row
+        assert torch.equal(dec(p, CTX, tuple(x.shape)), dec(whole, CTX, tuple(x.shape)))
+    plain = LowRankCodec(**STEPPED)  # a run without basis_step sends no one-scale rows
+    with pytest.raises(ValueError, match="one-scale"):
+        plain.decode_backward(c.encode_backward(x, CTX), CTX, tuple(x.shape))
 
 
 def test_a_gained_first_position_keeps_a_small_sink_gradient_the_step_would_zero():
@@ -225,13 +263,16 @@ BAD_BASIS = {
     "scales of another width": lambda p: p | {"vscale": p["vscale"][:, :-1]},
     "more directions than k": lambda p: p | {"vscale": torch.ones(40, 4, dtype=torch.bfloat16)},
     "no scales": lambda p: {k: v for k, v in p.items() if k != "vscale"},
+    "one-scale rows 2-D": lambda p: p | {"vrow": p["vrow"][:, None]},
+    "one-scale rows in float32": lambda p: p | {"vrow": p["vrow"].float()},
+    "one-scale rows past k": lambda p: p | {"vrow": torch.ones(40, dtype=torch.bfloat16)},
 }
 
 
 @pytest.mark.parametrize("damage", list(BAD_BASIS))
 def test_malformed_stepped_bases_are_refused_in_one_line(damage):
     c, x, p = _coarse()
-    assert {"evq", "vscale"} <= set(p)
+    assert {"evq", "vscale", "vrow"} <= set(p)
     with pytest.raises(ValueError) as e:
         c.decode_forward(BAD_BASIS[damage](dict(p)), CTX, tuple(x.shape))
     assert "\n" not in str(e.value)
