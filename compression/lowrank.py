@@ -31,7 +31,13 @@ from compression.baselines import (
     unpack_int4,
 )
 from compression.codec import WIRE_DTYPES, LinkCodec, LinkContext, Payload
-from compression.entropy import decode_column_groups, decode_symbols, encode_column_groups, encode_symbols
+from compression.entropy import (
+    ROW_BUCKETS,
+    decode_column_groups,
+    decode_symbols,
+    encode_column_groups,
+    encode_symbols,
+)
 from compression.repeats import drop_repeats, restore_repeats
 from compression.stepped import decode_stepped, encode_stepped, frame_step
 from compression.tiered import (
@@ -409,7 +415,7 @@ class LowRankCodec(LinkCodec):
                 payload["evq"] = blob
                 del payload["vq"]
         if self._step_of(direction):
-            blob = encode_column_groups(payload["q"], -127, 127, payload["q"].numel())
+            blob = encode_column_groups(payload["q"], -127, 127, payload["q"].numel(), ROW_BUCKETS)
             if blob is not None:
                 payload["eq"] = blob
                 del payload["q"]

@@ -212,6 +212,15 @@ def test_decoder_decodes_the_count_the_shape_gives_and_no_other():
             decode_symbols(blob, count, -7, 7)
 
 
+@pytest.mark.parametrize("value", [-127, 0, 3, 127])
+def test_a_field_of_one_repeated_symbol_codes_and_decodes(value):
+    """Every code equal (an all-zero gradient group, a one-row frame): a one-entry table, which the
+    coder cannot take alone, still codes to a few bytes and back."""
+    sym = torch.full((700,), value, dtype=torch.int64)
+    blob = encode_symbols(sym, -127, 127, raw_nbytes=700)
+    assert blob is not None and blob.numel() < 16 and torch.equal(decode_symbols(blob, 700, -127, 127), sym)
+
+
 def test_entropy_flag_reaches_the_codec_and_its_record():
     from node.argv import config_from_args
     from node.cli import FlagError, build_parser, check_run_flags, resolve_defaults

@@ -7,11 +7,18 @@ bytes where a spectrum falls (the reason it exists), and refuse a malformed fram
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from compression.codec import LinkContext, payload_nbytes
-from compression.entropy import COLUMN_GROUP, decode_column_groups, encode_column_groups
+from compression.entropy import (
+    COLUMN_GROUP,
+    ROW_BUCKETS,
+    decode_column_groups,
+    encode_column_groups,
+    row_buckets,
+)
 from compression.lowrank import LowRankCodec, join_uniform_rows, split_uniform_rows, top_directions
 from compression.stepped import decode_stepped, encode_stepped
 
@@ -106,6 +113,43 @@ def test_column_groups_round_trip_and_refuse_damage():
             decode_column_groups(bad, 300, 40, -127, 127)
     with pytest.raises(ValueError):
         decode_column_groups(blob, 301, 40, -127, 127)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 2000])
+def test_row_bucketed_column_groups_round_trip_and_code_rows_of_unequal_size_in_fewer_bytes(rows):
+    """Codes whose rows differ in size (a token's norm scales all its coefficients): bucketed by
+    the size of the row's codes already coded, a long frame's groups take fewer bytes; every frame
+    decodes exactly, whichever coding was kept; damaged, or naming buckets it was not coded in, the
+    blob is refused."""
+    g = torch.Generator().manual_seed(4)
+    size = torch.exp(torch.randn(rows, 1, generator=g))  # log-normal row norms
+    q = (torch.randn(rows, 40, generator=g) * size * torch.logspace(1.5, 0, 40)).round().clamp(-127, 127)
+    q = q.long()
+    flat = encode_column_groups(q, -127, 127, 10**9)
+    blob = encode_column_groups(q, -127, 127, 10**9, ROW_BUCKETS)
+    assert torch.equal(decode_column_groups(blob, rows, 40, -127, 127), q)
+    assert int(flat[0]) == 1 and blob.numel() <= flat.numel()
+    if rows < 2000:
+        return
+    assert int(blob[0]) == ROW_BUCKETS and blob.numel() < 0.97 * flat.numel(), (
+        blob.numel(),
+        flat.numel(),
+    )  # 0.956
+    one, many = torch.tensor([1], dtype=torch.uint8), torch.tensor([17], dtype=torch.uint8)
+    for bad in (
+        blob[:-1],
+        torch.cat([blob, blob[:4]]),
+        blob[1:],
+        torch.cat([one, blob[1:]]),
+        torch.cat([many, blob[1:]]),
+    ):
+        with pytest.raises(ValueError):
+            decode_column_groups(bad, rows, 40, -127, 127)
+
+
+def test_row_buckets_are_equal_shares_by_rank_with_ties_in_row_order():
+    got = row_buckets(np.array([5, 1, 1, 9, 0, 1, 7, 2]), 4)
+    assert got.tolist() == [2, 0, 1, 3, 0, 1, 3, 2]
 
 
 def _coded():
