@@ -38,7 +38,7 @@ from compression.entropy import (
     encode_column_groups,
     encode_symbols,
 )
-from compression.repeats import drop_repeats, restore_repeats
+from compression.repeats import decode_references, drop_repeats, encode_references, restore_repeats
 from compression.stepped import decode_stepped, encode_stepped, frame_step
 from compression.tiered import (
     check_tiers,
@@ -419,6 +419,11 @@ class LowRankCodec(LinkCodec):
             if blob is not None:
                 payload["eq"] = blob
                 del payload["q"]
+        if "rep" in payload:
+            blob = encode_references(payload["rep"])
+            if blob is not None:
+                payload["erep"] = blob
+                del payload["rep"]
         return payload
 
     def _entropy_decode(self, payload: Payload, direction: str, hidden: int, rows: int) -> Payload:
@@ -485,6 +490,12 @@ class LowRankCodec(LinkCodec):
 
     def _decode(self, payload: Payload, direction: str, hidden: int, rows: int) -> torch.Tensor:
         rep = payload.get("rep")
+        if "erep" in payload:
+            if rep is not None or not self.entropy:
+                raise ValueError(
+                    "lowrank frame's repeated rows are coded and raw, or coded in a run that codes none"
+                )
+            rep = decode_references(payload["erep"], rows)
         if (rep is None) == self.repeats:
             raise ValueError("lowrank frame's repeated rows do not match this run's setting (repeats)")
         if rep is not None and (rep.dim() != 2 or rep.shape[0] >= max(rows, 1)):
@@ -732,7 +743,7 @@ class LowRankCodec(LinkCodec):
         if self.repeats:
             d["rep"] = torch.int32
         if self.entropy:  # the coded fields' blobs, whichever of them a frame carries
-            d.update({"e" + n: torch.uint8 for n in ("vq", "q", "q4")})
+            d.update({"e" + n: torch.uint8 for n in ("vq", "q", "q4", "rep")})
             n_tiers = max(len(self.tiers or ()), len(self.backward_tiers or ()))
             d.update({f"eq{i}": torch.uint8 for i in range(n_tiers)})
         return d
