@@ -2,6 +2,7 @@
 
     python -m bench.link_proxy --task word --seed 11 --variants lowrank80i8b8k32,lowrankt24-88m
     python -m bench.link_proxy --dense-steps 20 --variants tiered24-88-128   # after 20 dense steps
+    python -m bench.link_proxy --fields --variants lowrankq128-96s1v1g8a+er   # bytes field by field
 
 One node-packed frame (``--frame-tokens``, default 2048) through the bundled model in the quality
 benchmark's four stages. Per variant (``bench.quality`` names; calibrated codecs are fitted on the
@@ -48,6 +49,7 @@ class _Probe(torch.autograd.Function):
         x = h.float()  # the frame's own (sequences, positions, H) shape, as a hop sends it
         p = codec.encode_forward(x, link)
         meter["fwd"] = payload_nbytes(p) / x[..., 0].numel()
+        _fields(meter, "fwd", p, x[..., 0].numel())
         y = codec.decode_forward(p, link, tuple(x.shape))
         if x.dim() == 3:  # per-row error past position 0 (the sink), the median over the frame
             rows = (y - x)[:, 1:].norm(dim=-1) / x[:, 1:].norm(dim=-1).clamp_min(1e-12)
@@ -61,8 +63,23 @@ class _Probe(torch.autograd.Function):
         rows = g.float()  # the frame's own shape, as a node's reply codes it
         p = ctx.codec.encode_backward(rows, ctx.link)
         ctx.meter["bwd"] = payload_nbytes(p) / rows[..., 0].numel()
+        _fields(ctx.meter, "bwd", p, rows[..., 0].numel())
         out = ctx.codec.decode_backward(p, ctx.link, tuple(rows.shape))
         return out.reshape(g.shape).to(g.dtype), None, None, None, None
+
+
+def _fields(meter: dict, direction: str, payload: dict, tokens: int) -> None:
+    """Each payload field's bytes per token, summed over the boundaries (``--fields``)."""
+    into = meter.setdefault(f"fields_{direction}", {})
+    into["boundaries"] = into.get("boundaries", 0) + 1
+    for name, t in payload.items():
+        into[name] = into.get(name, 0.0) + t.numel() * t.element_size() / tokens
+
+
+def _field_line(fields: dict) -> str:
+    """'name B/token' per field, the mean over the boundaries, largest first."""
+    n = fields.pop("boundaries")
+    return ", ".join(f"{k} {v / n:.2f}" for k, v in sorted(fields.items(), key=lambda kv: -kv[1]))
 
 
 def _step(model, pipe, ids, labels, codecs, forward: bool, meter: dict):
@@ -95,6 +112,7 @@ def main(argv=None) -> int:
     p.add_argument("--dense-steps", type=int, default=0)
     p.add_argument("--refit", action="store_true", help="with --dense-steps: also refit at step N")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--fields", action="store_true", help="also each payload field's B/token, per direction")
     a = p.parse_args(argv)
     names = [n for n in a.variants.split(",") if n]
     unknown = [n for n in names if n not in VARIANTS]
@@ -151,6 +169,9 @@ def main(argv=None) -> int:
         )
         rows = " ".join(f"{e:.3f}" for e in meter.get("row_err", []))
         print(f"{name} | {meter['fwd']:.1f} | {kl:.4f} | {rows} | {meter['bwd']:.1f} | {stages}", flush=True)
+        if a.fields:  # the mean over the boundaries: the fwd column above is the last boundary's
+            for d in ("fwd", "bwd"):
+                print(f"    {d} fields, B/token: {_field_line(meter[f'fields_{d}'])}", flush=True)
     return 0
 
 
