@@ -78,8 +78,9 @@ def _fields(meter: dict, direction: str, payload: dict, tokens: int) -> None:
 
 def _field_line(fields: dict) -> str:
     """'name B/token' per field, the mean over the boundaries, largest first."""
-    n = fields.pop("boundaries")
-    return ", ".join(f"{k} {v / n:.2f}" for k, v in sorted(fields.items(), key=lambda kv: -kv[1]))
+    n = fields["boundaries"]
+    named = sorted(((k, v) for k, v in fields.items() if k != "boundaries"), key=lambda kv: -kv[1])
+    return ", ".join(f"{k} {v / n:.2f}" for k, v in named)
 
 
 def _step(model, pipe, ids, labels, codecs, forward: bool, meter: dict):
