@@ -388,6 +388,27 @@ VARIANTS: dict[str, Variant] = {
         Variant("lowrankq120-96s1v1g8a+er", "lowrank", {**_QV, "k": 120, "k_backward": 96}),
         Variant("lowrankq128-80s1v1g8a+er", "lowrank", {**_QV, "k": 128, "k_backward": 80}),
         Variant("lowrankq128-96s1v1g8a+er", "lowrank", {**_QV, "k": 128, "k_backward": 96}),
+        # multistep's bytes back (issue 35): more directions either way, or a finer step
+        Variant("lowrankq144-96s1v1g8a+er", "lowrank", {**_QV, "k": 144, "k_backward": 96}),
+        Variant("lowrankq128-128s1v1g8a+er", "lowrank", {**_QV, "k": 128, "k_backward": 128}),
+        Variant("lowrankq112-128s1v1g8a+er", "lowrank", {**_QV, "k": 112, "k_backward": 128}),
+        Variant("lowrankq128-96s.7v1g8a+er", "lowrank", {**_QV, "k": 128, "k_backward": 96, "step": 0.7}),
+        Variant(
+            "lowrankq128-96s1b.7v1g8a+er",
+            "lowrank",
+            {**_QV, "k": 128, "k_backward": 96, "backward_step": 0.7},
+        ),
+        # diagnostics: which direction of the 20x link slows multistep (the other sent dense)
+        Variant(
+            "lowrankq128-96s1v1g8a+er-fwd-only",
+            "lowrank-oneway",
+            {**_QV, "k": 128, "k_backward": 96, "direction": "forward"},
+        ),
+        Variant(
+            "lowrankq128-96s1v1g8a+er-bwd-only",
+            "lowrank-oneway",
+            {**_QV, "k": 128, "k_backward": 96, "direction": "backward"},
+        ),
         # three tiers, 8/4/2 bits, the backward smaller (~19x before +er)
         Variant(
             "lowrankt12-36-40a-b8-24-24+er",
