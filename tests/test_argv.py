@@ -244,20 +244,22 @@ def test_a_uniform_step_link_is_what_the_bench_measured_and_its_contradictions_a
         assert "\n" not in str(e.value)
 
 
-def test_a_stepped_basis_with_gained_sinks_is_what_the_bench_measured_and_needs_its_step():
+@pytest.mark.parametrize("k_backward", [96, 128])
+def test_a_stepped_basis_with_gained_sinks_is_what_the_bench_measured_and_needs_its_step(k_backward):
     """``--lowrank-basis-step`` and ``--lowrank-first-gain`` make a node run the bench's
-    ``lowrankq112-96s1v1g8a+er`` (frames equal byte for byte, both directions); a basis step with
-    no coefficient step to size it by, or on a basis that is not int8, is refused in one line."""
+    ``lowrankq112-96s1v1g8a+er`` and ``lowrankq112-128s1v1g8a+er`` (frames equal byte for byte,
+    both directions); a basis step with no coefficient step to size it by, or on a basis that is
+    not int8, is refused in one line."""
     from bench.quality_codecs import build_codec as bench_codec
     from bench.quality_tasks import VARIANTS
     from node.cli import FlagError
     from node.stage.links import build_codec, codec_settings
 
-    step = ["--codec-k", "112", "--lowrank-k-backward", "96", "--lowrank-step", "1"]
+    step = ["--codec-k", "112", "--lowrank-k-backward", str(k_backward), "--lowrank-step", "1"]
     more = ["--lowrank-basis-step", "1", "--lowrank-first-gain", "8"]
     lossless = ["--lowrank-entropy", "on", "--lowrank-repeats", "on"]
     desc = codec_settings(_checked(["join", "--microbatch-tokens", "2048", *step, *more, *lossless]))
-    bench = bench_codec(VARIANTS["lowrankq112-96s1v1g8a+er"])
+    bench = bench_codec(VARIANTS[f"lowrankq112-{k_backward}s1v1g8a+er"])
     assert desc == bench.describe()
     node = build_codec(desc)
     h = torch.randn(70, 29, 576, generator=torch.Generator().manual_seed(4)) * torch.logspace(1, -1, 576)
