@@ -295,13 +295,13 @@ class NodeConfig:
         help="lowrank codec: the backward's own tiers, DIRSxBITS,... (e.g. 12x8,36x4), with "
         "--lowrank-tiers for the forward; empty = the forward's (default: empty)",
         group=RUN,
-    )  # gradients with fewer directions than activations: the 20x frontier (bench/results/quality.md)
+    )  # each direction its own budget; the 20x link gives the gradient more (bench/results/quality.md)
     lowrank_step: float = opt(
         0.0,
         help="lowrank codec: code both directions' coefficients at one uniform step, this fraction of the "
         "k-th direction's RMS, instead of tiers, so entropy coding gives each direction bits by its energy "
         "(needs --lowrank-entropy on; --codec-k and --lowrank-k-backward set the directions; 1.0 with "
-        "--codec-k 128 --lowrank-k-backward 96 --lowrank-basis-step 1 --lowrank-first-gain 8 is the ~20x "
+        "--codec-k 112 --lowrank-k-backward 128 --lowrank-basis-step 1 --lowrank-first-gain 8 is the ~20x "
         "link); 0 = off (default: %(default)s)",
         min=0,
         max=64,
