@@ -391,6 +391,8 @@ def check_nat_support() -> None:
 # only what belongs to a connection the home side opened (a home router with no forwarded port).
 # A mid-stream packet of a connection the gateway no longer tracks is invalid, not new, and is
 # dropped (nf_conntrack_tcp_loose=0, set below), as a router that lost its mappings does.
+# The router drops what nobody inside asked for, without an answer (a consumer router's default
+# "stealth" WAN side: no reset for a connection to a port it does not forward).
 NAT_RULES = """
 table ip vnat {
   chain postrouting { type nat hook postrouting priority 100; oifname "up0" masquerade; }
@@ -399,8 +401,16 @@ table ip vnat {
     ct state established,related accept
     iifname "home0" oifname "up0" ct state new accept
   }
+  chain input { type filter hook input priority 0; policy accept; iifname "up0" ct state new drop; }
 }
 """
+# A symmetric NAT: each new connection out gets a random source port, so the address one peer
+# sees is not the one another would reach (hole punching cannot work through it).
+RANDOM_PORTS = "masquerade random,fully-random"
+
+
+def nat_rules(random_ports: bool = False) -> str:
+    return NAT_RULES.replace("masquerade;", RANDOM_PORTS + ";") if random_ports else NAT_RULES
 
 
 @dataclass
@@ -423,6 +433,7 @@ class NatTopology:
     rate_bps: float = 0.0
     latency_ms: int = 50
     n_homes: int = 1
+    random_ports: tuple[int, ...] = ()  # homes whose gateway is a symmetric NAT (RANDOM_PORTS)
     tag: str = field(default_factory=lambda: str(os.getpid() % 100000))
     net: int = field(default_factory=lambda: 100 + os.getpid() % 100)
     created: list[str] = field(default_factory=list)
@@ -529,8 +540,9 @@ class NatTopology:
                 self.exec_prefix(gw) + ["sysctl", "-qw", "net.netfilter.nf_conntrack_tcp_loose=0"],
                 check=False,
             )
+            rules = nat_rules(j in self.random_ports)
             p = subprocess.run(
-                self.exec_prefix(gw) + ["nft", "-f", "-"], input=NAT_RULES, capture_output=True, text=True
+                self.exec_prefix(gw) + ["nft", "-f", "-"], input=rules, capture_output=True, text=True
             )
             if p.returncode != 0:
                 raise RuntimeError(f"nft: {p.stderr.strip()[:300]}")
@@ -555,12 +567,12 @@ class NatTopology:
         p = subprocess.run(self.exec_prefix(from_ns) + [sys.executable, "-c", code], timeout=timeout_s + 30)
         return p.returncode == 0
 
-    def conntrack_flows(self) -> list[dict[str, str]] | None:
-        """The gateway's tracked TCP flows (original direction: src, dst, sport, dport); None without
-        the `conntrack` tool."""
+    def conntrack_flows(self, j: int = 0) -> list[dict[str, str]] | None:
+        """Home ``j``'s gateway's tracked TCP flows (original direction: src, dst, sport, dport; the
+        reply direction's as rsrc, rdst, rsport, rdport); None without the `conntrack` tool."""
         if shutil.which("conntrack") is None:
             return None
-        p = _run(self.exec_prefix(self.gw_ns) + ["conntrack", "-L", "-p", "tcp"], check=False)
+        p = _run(self.exec_prefix(self.gw_ns_of(j)) + ["conntrack", "-L", "-p", "tcp"], check=False)
         flows = []
         for line in p.stdout.splitlines():
             kv: dict[str, str] = {}
@@ -568,6 +580,8 @@ class NatTopology:
                 k, eq, v = tok.partition("=")
                 if eq and k not in kv:  # the first src/dst/sport/dport are the original direction's
                     kv[k] = v
+                elif eq and "r" + k not in kv:
+                    kv["r" + k] = v
             if "src" in kv:
                 flows.append(kv)
         return flows

@@ -194,6 +194,20 @@ class NodeConfig:
         choices=("auto", "direct", "nat"),
         group=NET,
     )  # node.net.reach decides, node.swarm.reverse keeps the connections
+    relay_service: bool = opt(
+        True,
+        help="do not carry streams between peers behind NAT (a reachable node does by default: two "
+        "volunteers behind routers can then train next to each other)",
+        flag="--no-relay-service",
+        group=NET,
+    )  # node.net.relay
+    relay_rate: float = opt(
+        0.0,
+        help="cap on the bytes this node relays for others, in Mbit/s, both directions together (0: no "
+        "cap; default: %(default)s)",
+        min=0.0,
+        group=NET,
+    )
     p2pd_timeout: float = opt(
         15.0, help="seconds to wait for the p2p daemon to start (default: %(default)s)", above=0, group=NET
     )  # p2pd start-up; the most common failure of hivemind swarms

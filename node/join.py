@@ -77,7 +77,7 @@ from node.swarm.membership import (
     store_stage_record_sync,
 )
 from node.swarm.reverse import dialback_questions
-from node.swarm.routing import choose_stage, unreachable_neighbour
+from node.swarm.routing import choose_stage, relays_of, unreachable_neighbour
 from protocol.auth import SwarmKeyError, key_id, load_swarm_key
 from protocol.records import RunRecord, StageRecord
 
@@ -267,16 +267,16 @@ def claim_stage(
     else:
         served = {i for i in fits if unreachable_neighbour(records, i, peer_id, cfg.circuit) is None}
         index = choose_stage(records, cfg.circuit, allowed=served if behind_nat and served else fits)
-    if behind_nat:
-        cut = unreachable_neighbour(records, index, peer_id, cfg.circuit)
-        if cut is not None:
-            raise JoinError(
-                f"this node is behind NAT and so is every node of stage {cut}, next to stage {index}: "
-                "neither can open a connection to the other, so no frame could cross. Forward a TCP "
-                "port on your router to this machine (--port P --host 0.0.0.0 --announce-maddr "
-                "/ip4/PUBLIC_IP/tcp/P --reachability direct), or join when a reachable node serves "
-                f"stage {cut}"
-            )
+    cut = unreachable_neighbour(records, index, peer_id, cfg.circuit) if behind_nat else None
+    if cut is not None and not relays_of(records, peer_id):
+        raise JoinError(
+            f"this node is behind NAT and so is every node of stage {cut}, next to stage {index}, and "
+            "no reachable node of the run relays: no frame could cross. Forward a TCP port on your "
+            "router to this machine (--port P --host 0.0.0.0 --announce-maddr /ip4/PUBLIC_IP/tcp/P "
+            f"--reachability direct), or join when a reachable node serves stage {cut} or relays"
+        )
+    if cut is not None:
+        log.info("stage %d is served only from behind NAT: frames to it go through a relay", cut)
     # publish the claim at once (not ready yet) so the next joiner sees this stage as taken
     reach = "reverse" if behind_nat else "direct"
     store_stage_record_sync(

@@ -24,6 +24,7 @@ from compression.spectral import SpectralFilter
 from node.dp.anchors import ANCHOR_HANDLER, AnchorClient, PacketSink
 from node.dp.scape import SCAPE_HANDLER, ScapeSync
 from node.dp.tied import TIED_HANDLER, TiedExchange
+from node.net import relay
 from node.net.alive import ALIVE_HANDLER, handle_alive
 from node.net.reach import DIALBACK_HANDLER, RECHECK_BEATS, DialBack, ask_many, rechecked
 from node.net.wire import raise_accept_backlog
@@ -41,7 +42,7 @@ from node.swarm.health import write_health
 from node.swarm.membership import store_stage_record
 from node.swarm.rebalance import Rebalancer, choose_move, move_reason
 from node.swarm.reverse import Reverser, dialback_questions
-from node.swarm.routing import fast_peers_of_stage, must_call_me
+from node.swarm.routing import fast_peers_of_stage, must_call_me, relays_of
 from node.swarm.weights import WEIGHTS_HANDLER, WeightServer, pull_weights
 from node.watch.dashboard import DashboardError, serve_in_node
 from node.watch.probe import Probe
@@ -86,6 +87,12 @@ class Lifecycle:
     # direct: peers dial us; nat: we dial the peers that call us (node.net.reach decides, join sets it)
     reachability: str = "direct"
     reverser: Reverser | None = None  # behind NAT: the connections kept to those peers
+    # how streams to each peer are opened: directly or through its relays (node.net.relay)
+    paths: relay.Paths | None = None
+    relay_server: relay.RelayServer | None = None  # a reachable node carries streams for NAT'd ones
+    relayed_in: relay.RelayedIn | None = None  # streams our relays carry to us
+    my_relays: list[str] = []  # behind NAT: the relays this node keeps connections to
+    punched: set[str] = set()  # NAT'd peers this node holds a hole-punched connection to
     stop_request: StopRequest | None = None  # a signal that came while the node started (join)
     base: str = ""  # the frozen base's dtype under LoRA (node.model.adapters.frozen_base), for the record
 
@@ -102,6 +109,8 @@ class Lifecycle:
             ready=ready,
             maddrs=self.maddrs,
             reach="reverse" if self.reachability == "nat" else "direct",
+            relays=list(self.my_relays) if self.reachability == "nat" else [],
+            relay=self.relay_server is not None and self.reachability == "direct",
             base=self.base,
         )
 
@@ -151,9 +160,42 @@ class Lifecycle:
         """Behind NAT: one beat of ``Reverser.keep`` over the peers that call this node, at the
         addresses their records announce; the peers connected after it."""
         ctx = self.ctx
-        targets = must_call_me(ctx.routes, ctx.index, ctx.peer_id, ctx.cfg.circuit, ctx.run.tied)
-        maddrs = {p: r.maddrs for stage in ctx.routes for p, r in stage.items() if p in targets}
-        return await self.reverser.keep(maddrs)
+        callers = must_call_me(ctx.routes, ctx.index, ctx.peer_id, ctx.cfg.circuit, ctx.run.tied)
+        chosen = relay.choose_relays(relays_of(ctx.routes, ctx.peer_id), ctx.peer_id)
+        # a caller behind NAT cannot be dialled: it reaches us through our relays instead
+        records = {p: r for stage in ctx.routes for p, r in stage.items()}
+        targets = {p for p in callers if p in records and records[p].reach == "direct"} | set(chosen)
+        kept = await self.reverser.keep({p: records[p].maddrs for p in targets if p in records})
+        if self.relayed_in is not None:
+            self.relayed_in.relays = set(chosen)
+        mine = [r for r in chosen if r in kept]
+        if mine != self.my_relays:
+            log.info("behind NAT: relays %s", " ".join(r[:12] for r in mine) or "none reachable")
+            self.my_relays = mine
+        return kept
+
+    def connection_kinds(self) -> dict[str, str]:
+        """Peer id -> how this node talks to it (direct, reversed, punched, relayed), for the
+        neighbouring stages' and its own stage's peers (metrics, status, the dashboard)."""
+        if self.paths is None:
+            return {}
+        ctx, out = self.ctx, {}
+        for s in (ctx.index - 1, ctx.index, ctx.index + 1):
+            if 0 <= s < len(ctx.routes):
+                for p, r in ctx.routes[s].items():
+                    if p != ctx.peer_id:
+                        out[p] = relay.connection_kind(
+                            self.reachability == "nat", r.reach, p in self.paths.connected,
+                            p in self.punched, bool(self.paths.via(p)),
+                        )  # fmt: skip
+        return out
+
+    async def refresh_paths(self, p2p) -> None:
+        """The connected peers and the NAT'd peers' relays, for ``node.net.rpc`` (node.net.relay.Paths)."""
+        if self.paths is None:
+            return
+        connected = {info.peer_id.to_base58() for info in await p2p.list_peers()}
+        self.paths.update({p: r for stage in self.ctx.routes for p, r in stage.items()}, connected)
 
     async def reverse_loop(self) -> None:
         """``keep_reversed`` every half heartbeat (node.swarm.reverse says why), on the routes the
@@ -166,6 +208,10 @@ class Lifecycle:
                     await self.keep_reversed()
                 except Exception as e:  # the daemon busy or restarting: again next beat
                     log.info("keeping the reversed connections failed: %s", e)
+            try:
+                await self.refresh_paths(ctx.p2p)
+            except Exception as e:
+                log.info("refreshing the paths to peers failed: %s", e)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(ctx.stop.wait(), ctx.cfg.heartbeat_s / 2)
 
@@ -312,12 +358,22 @@ class Lifecycle:
         )
         await p2p.add_binary_stream_handler(METRICS_HANDLER, self.metrics_server.handle)
         await p2p.add_binary_stream_handler(DIALBACK_HANDLER, DialBack(ctx.wire, ctx.run.run_id).handle)
+        self.paths = relay.Paths(ctx.wire, ctx.run.run_id)
+        relay.install(p2p, self.paths)
+        if ctx.cfg.relay_service:  # announced (StageRecord.relay) only while this node is reachable
+            self.relay_server = relay.RelayServer(
+                p2p, ctx.wire, ctx.run.run_id, ctx.cfg.hop_timeout, ctx.cfg.relay_rate * 1e6
+            )
+            await p2p.add_binary_stream_handler(relay.RELAY_HANDLER, self.relay_server.handle)
+        self.relayed_in = relay.RelayedIn(p2p, ctx.wire, ctx.run.run_id, ctx.cfg.hop_timeout, set())
+        await p2p.add_binary_stream_handler(relay.RELAYED_HANDLER, self.relayed_in.handle)
         await p2p.add_binary_stream_handler(HANDLER, self.server.handle_stream)
         raise_accept_backlog(p2p)  # before the first burst of streams, not at the first stream served
         if self.reachability == "nat":  # connected to those who call us before they route to us
             self.reverser = Reverser(p2p, ctx.wire, ctx.cfg.heartbeat_s)
             await self.hops.refresh_routes()
             await self.keep_reversed()
+        await self.refresh_paths(p2p)
         await self.publish()
         if self.move_allowed is not None:  # the dwell counts from now: a joiner first fills its stage
             self.rebalancer = Rebalancer(time.monotonic(), ctx.cfg.heartbeat_s)
@@ -326,8 +382,7 @@ class Lifecycle:
             tasks.append(asyncio.create_task(self.metrics_loop()))
         if ctx.cfg.dashboard:
             tasks.append(asyncio.create_task(self._dashboard()))
-        if self.reverser is not None or ctx.cfg.reachability == "auto":
-            tasks.append(asyncio.create_task(self.reverse_loop()))
+        tasks.append(asyncio.create_task(self.reverse_loop()))  # the paths to peers, NAT or not
         if ctx.cfg.reachability == "auto":
             tasks.append(asyncio.create_task(self.recheck_loop(p2p)))
         if ctx.cfg.max_steps and ctx.inner_step >= ctx.cfg.max_steps:  # resumed at its last step
@@ -365,7 +420,9 @@ class Lifecycle:
         self.write_metrics()
         self.write_health(serving=False)
         # a node that moves registers its handlers again for the new stage, in this process
-        handlers = [HANDLER, ALIVE_HANDLER, METRICS_HANDLER, DIALBACK_HANDLER]
+        handlers = [HANDLER, ALIVE_HANDLER, METRICS_HANDLER, DIALBACK_HANDLER, relay.RELAYED_HANDLER]
+        handlers += [relay.RELAY_HANDLER] if self.relay_server is not None else []
+        relay.install(p2p, None)
         if self.move_to is not None:
             handlers += [WEIGHTS_HANDLER, ANCHOR_HANDLER, SCAPE_HANDLER, BASIS_HANDLER, TIED_HANDLER]
         for name in handlers:

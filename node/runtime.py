@@ -235,6 +235,15 @@ class StageRuntime(Lifecycle):
                 "kept": self.reverser.kept if self.reverser else 0,
                 "last_dial": self.reverser.last_dial if self.reverser else 0.0,
             },
+            "relay": {  # node.net.relay: streams this node carried for others, and its own relayed ones
+                **(self.relay_server.metrics() if self.relay_server else {"relayed_bytes": 0}),
+                "serving": self.relay_server is not None and self.reachability == "direct",
+                "mine": list(self.my_relays),
+                "relayed_out": self.paths.relayed_streams if self.paths else 0,
+                "relay_failures": self.paths.relay_failures if self.paths else 0,
+                "accepted_in": self.relayed_in.accepted if self.relayed_in else 0,
+            },
+            "connections": self.connection_kinds(),
             "compute_s": self.compute.seconds,
             "device": str(self.compute.device),
             "base": self.base,  # LoRA's frozen base: fp32 | bf16 | nf4 ("" under full fine-tuning)

@@ -24,7 +24,20 @@ MAX_PATH = 64
 # (8 GiB of fp32); beyond it torch's own size arithmetic overflows int64 and raises untyped errors
 MAX_ELEMENTS = 2**31
 
-KINDS = ("forward", "backward", "error", "basis", "weights", "anchor", "scape", "tied", "metrics", "dialback")
+KINDS = (
+    "forward",
+    "backward",
+    "error",
+    "basis",
+    "weights",
+    "anchor",
+    "scape",
+    "tied",
+    "metrics",
+    "dialback",
+    "relay",
+    "punch",
+)
 
 # Only these dtypes may arrive over the wire (no object, no complex, nothing exotic).
 WIRE_DTYPES: dict[str, torch.dtype] = {

@@ -187,6 +187,7 @@ class RunRecord:
 
 
 REACH = ("direct", "reverse")  # StageRecord.reach
+MAX_RELAYS = 4  # relays one stage record may name
 BASES = ("fp32", "bf16", "nf4")  # StageRecord.base: the frozen base of a LoRA stage
 
 
@@ -204,6 +205,11 @@ class StageRecord:
     # how peers reach it: ``direct`` (they dial its maddrs) or ``reverse`` (behind NAT: it dials
     # the peers that call it and keeps those connections open; node.swarm.reverse)
     reach: str = "direct"
+    # behind NAT: the relays (peer ids of public nodes of the run) it keeps connections to, through
+    # which a peer it has no connection to opens streams to it (node.net.relay)
+    relays: list[str] = field(default_factory=list)
+    # a public node that carries streams for NAT'd peers (``--no-relay-service`` turns it off)
+    relay: bool = False
     # what the frozen base is held in under LoRA (fp32 | bf16 | nf4); "" when every weight trains
     base: str = ""
 
@@ -230,6 +236,8 @@ class StageRecord:
                 "ready": bool,
                 "maddrs": list,
                 "reach": str,
+                "relays": list,
+                "relay": bool,
                 "base": str,
             },
         )
@@ -243,4 +251,8 @@ class StageRecord:
             raise RecordError("stage record load figures out of range")
         if len(rec.maddrs) > 16 or not all(isinstance(a, str) and len(a) < 512 for a in rec.maddrs):
             raise RecordError("stage record addresses malformed")
+        if len(rec.relays) > MAX_RELAYS or not all(
+            isinstance(a, str) and 0 < len(a) < 128 for a in rec.relays
+        ):
+            raise RecordError("stage record relays malformed")
         return rec

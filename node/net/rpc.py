@@ -12,6 +12,7 @@ import asyncio
 
 from hivemind.p2p import PeerID
 
+from node.net import relay
 from node.net.transport import close_quietly
 from node.net.wire import Wire
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame
@@ -21,8 +22,25 @@ class PeerUnreachable(ConnectionError):
     """No stream to the peer could be opened within the deadline."""
 
 
-async def open_stream(p2p, peer: str, handler: str, timeout: float):
-    """(reader, writer) of a new stream to ``peer``'s ``handler``; ``PeerUnreachable`` if none opens."""
+async def open_stream(p2p, peer: str, handler: str, timeout: float, direct: bool = False):
+    """(reader, writer) of a new stream to ``peer``'s ``handler``; ``PeerUnreachable`` if none opens.
+
+    A peer behind NAT that this node has no connection to is reached through the relays its stage
+    record names (``node.net.relay.Paths``), each tried in turn; ``direct`` skips them (a relay's
+    own streams)."""
+    paths = None if direct else relay.paths_of(p2p)
+    relays = paths.via(peer) if paths is not None else []
+    if relays:
+        failures = []
+        for r in relays:
+            try:
+                return await relay.open_relayed(p2p, paths, r, peer, handler, timeout)
+            except Exception as e:  # that relay gone, or it cannot reach the peer: the next one
+                failures.append(f"{r[:12]}: {type(e).__name__}: {str(e)[:80]}")
+        paths.relay_failures += 1
+        raise PeerUnreachable(
+            f"cannot reach {peer[:12]} (behind NAT) through its relays: {'; '.join(failures)}"
+        )
     try:
         _, reader, writer = await asyncio.wait_for(
             p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler), timeout

@@ -119,3 +119,12 @@ def unreachable_neighbour(
         if peers and all(r.reach == "reverse" for r in peers):
             return s
     return None
+
+
+def relays_of(routes: list[Mapping[str, StageRecord]], peer_id: str) -> list[str]:
+    """The peers of the run that relay for NAT'd ones (node.net.relay): reachable (reach direct),
+    ready, offering to relay, not ``peer_id``; sorted, each once."""
+    return sorted(
+        {p for stage in routes for p, r in stage.items() if r.relay and r.ready and r.reach == "direct"}
+        - {peer_id}
+    )

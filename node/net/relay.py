@@ -1,0 +1,353 @@
+"""Relays: a public node carries streams between two peers that cannot open a connection to each
+other (both behind NAT), one stream at a time.
+
+Why not libp2p's circuit relay v2 (the bundled p2pd has it): its relay service starts only once a
+node's AutoNAT says it is public and a NAT'd node reserves a slot only once AutoNAT says it is
+private, and both are fixed when p2pd starts, before a node has asked anyone to dial it back. Tried
+in namespaces (a public relay forced public, two homes forced private with it as their trusted
+relay): no relayed address appeared within 30 s, and a dial through the daemon's client to a
+``/p2p-circuit`` address failed in the client's multiaddr encoding. Its circuits also end at a data
+and a time limit (go-libp2p's default relay: 128 KiB or 2 minutes; p2pd's flags: 4 GiB or 30
+minutes), which a run of days must renew without cutting a frame.
+
+So the node relays at the level of its own streams. Every stream a node opens is one request (a
+FORWARD frame and its BACKWARD reply, a weights pull, a metrics read): there is no long-lived
+circuit to renew, and no frame can be cut by a limit. The three roles:
+
+* **caller** (A, behind NAT): to reach B, a peer behind NAT that it has no connection to, A opens
+  a stream to one of the relays B announces (``StageRecord.relays``), handler ``vnode.relay``, and
+  sends one frame naming B and the handler it wants;
+* **relay** (R, a public node of the run; ``RelayServer``): opens a stream to B's ``vnode.relayed``
+  on the connection B keeps to it (B dials its relays, as it dials the peers that call it), names A
+  and the handler, waits for B's yes, answers A, and then copies bytes both ways until both ends
+  close, counting them (``relayed_bytes``), under an optional rate cap (``--relay-rate``);
+* **callee** (B; ``RelayedIn``): accepts relayed streams only from the relays it chose, and hands
+  the rest of the stream to its own handler as if A had opened it (the handler sees A's peer id,
+  so every sender check holds). B trusts its relay to name the sender truly: a relay that lies can
+  send frames in another peer's name (frames of a keyed swarm are still checked against the key).
+
+``Paths`` is the one place that decides how a stream to a peer is opened (``node.net.rpc``):
+directly when a connection exists or the peer can be dialled, else through the peer's relays.
+``choose_relays`` is the pure choice of a node's relays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import Mapping, Sequence
+
+from hivemind.p2p import PeerID
+from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
+
+from node.net.caps import Limits
+from node.net.serve import NotAllowed, Stream, serve
+from node.net.transport import close_quietly
+from node.net.wire import IDLE_S, Wire
+from protocol.frames import Frame, FrameError, MalformedFrame, decode_frame, encode_frame
+from protocol.records import MAX_RELAYS
+
+log = logging.getLogger("node")
+
+RELAY_HANDLER = "vnode.relay"  # on a relay: "carry this stream to peer t's handler h"
+RELAYED_HANDLER = "vnode.relayed"  # on a NAT'd node: "this stream comes from peer f, for handler h"
+RELAYS_WANTED = 2  # relays a NAT'd node keeps connections to (one dies: the other still carries)
+HEADER_BYTES = 4096
+CHUNK = 1 << 16
+# streams one relay carries at once, and per caller: a relay is a volunteer's node with its own
+# stage to serve; a pipeline keeps a few frames in flight per peer (--max-inflight 4, BULK_SLOTS 2)
+LIMITS = Limits(per_peer=16, total=128, rate=200.0, burst=64)
+PIPE_IDLE_S = 4 * IDLE_S  # a relayed stream that moves no byte either way for this long is closed
+
+
+def choose_relays(candidates: Sequence[str], me: str, k: int = RELAYS_WANTED) -> list[str]:
+    """The ``k`` relays a NAT'd node ``me`` keeps, from the public peers that offer to relay.
+
+    Rendezvous hashing: each node ranks every candidate by hash(me, candidate), so the NAT'd nodes
+    spread over the relays (no relay is everyone's first), and a node's choice changes only when
+    one of its own relays leaves or a new candidate outranks it, not whenever the swarm changes."""
+
+    def rank(c: str) -> bytes:
+        return hashlib.blake2b(f"{me}|{c}".encode(), digest_size=8).digest()
+
+    return sorted((c for c in set(candidates) if c != me), key=rank)[:k]
+
+
+def relay_header(kind: str, run_id: str, peer: str, handler: str) -> Frame:
+    """The one frame that opens a relayed stream: ``t`` (the target, to a relay) or ``f`` (the
+    sender, to the callee), and the handler ``h``."""
+    key = "t" if kind == RELAY_HANDLER else "f"
+    return Frame(kind="relay", run_id=run_id, meta={key: peer, "h": handler})
+
+
+def parse_header(frame: Frame, key: str) -> tuple[str, str]:
+    peer, handler = frame.meta.get(key), frame.meta.get("h")
+    if not (isinstance(peer, str) and 0 < len(peer) < 128 and isinstance(handler, str)):
+        raise MalformedFrame(f"a relay header names a peer ({key}) and a handler (h)")
+    if not handler.startswith("vnode.") or handler in (RELAY_HANDLER, RELAYED_HANDLER):
+        raise NotAllowed(f"handler {handler!r} cannot be relayed")
+    try:
+        PeerID.from_base58(peer)
+    except Exception:
+        raise MalformedFrame(f"relay header peer {peer[:20]!r} is not a peer id") from None
+    return peer, handler
+
+
+class RateCap:
+    """A token bucket over the bytes a relay copies (all its streams together); 0: no cap."""
+
+    def __init__(self, bits_per_s: float) -> None:
+        self.rate = bits_per_s / 8.0
+        self.tokens = self.rate  # a second's worth of burst
+        self.t = time.monotonic()
+
+    async def take(self, n: int) -> None:
+        if self.rate <= 0:
+            return
+        while True:
+            now = time.monotonic()
+            self.tokens = min(self.rate, self.tokens + (now - self.t) * self.rate)
+            self.t = now
+            if self.tokens >= n or self.tokens >= self.rate:
+                self.tokens -= n
+                return
+            await asyncio.sleep((n - self.tokens) / self.rate)
+
+
+async def _pump(reader, writer, count, cap: RateCap | None, idle: float) -> None:
+    """Copy ``reader`` to ``writer`` until EOF; ``count(n)`` for each chunk."""
+    while True:
+        data = await asyncio.wait_for(reader.read(CHUNK), idle)
+        if not data:
+            return
+        if cap is not None:
+            await cap.take(len(data))
+        writer.write(data)
+        await asyncio.wait_for(writer.drain(), idle)
+        count(len(data))
+
+
+async def splice(a: tuple, b: tuple, count, cap: RateCap | None = None, idle: float = PIPE_IDLE_S) -> None:
+    """Copy bytes both ways between streams ``a`` and ``b`` (each (reader, writer)) until both
+    directions end; the first end that closes half-closes the other side where it can."""
+
+    async def one_way(src, dst) -> None:
+        try:
+            await _pump(src[0], dst[1], count, cap, idle)
+        finally:
+            with contextlib.suppress(Exception):
+                if dst[1].can_write_eof():
+                    dst[1].write_eof()
+
+    ab = asyncio.ensure_future(one_way(a, b))
+    ba = asyncio.ensure_future(one_way(b, a))
+    try:
+        # the reply side ending ends the exchange: every relayed request is answered last
+        done, _ = await asyncio.wait({ab, ba}, return_when=asyncio.FIRST_EXCEPTION)
+        if ba not in done:
+            await ba
+    except Exception:
+        pass
+    finally:
+        for t in (ab, ba):
+            t.cancel()
+        close_quietly(a[1])
+        close_quietly(b[1])
+
+
+class RelayServer:
+    """``vnode.relay`` on a public node (the module docstring): carries streams for NAT'd peers."""
+
+    def __init__(self, p2p, wire: Wire, run_id: str, timeout: float, rate_bits: float = 0.0) -> None:
+        self.p2p, self.wire, self.run_id, self.timeout = p2p, wire, run_id, timeout
+        self.cap = RateCap(rate_bits) if rate_bits > 0 else None
+        self.relayed_bytes = 0  # bytes copied, both directions together
+        self.streams = 0  # relayed streams opened
+        self.active = 0
+        self.refused = 0  # streams whose target could not be reached
+
+    def metrics(self) -> dict:
+        return {
+            "relayed_bytes": self.relayed_bytes,
+            "streams": self.streams,
+            "active": self.active,
+            "refused": self.refused,
+            "rate_cap_bits": round(self.cap.rate * 8) if self.cap else 0,
+        }
+
+    async def handle(self, stream_info, reader, writer) -> None:
+        await serve(
+            stream_info, reader, writer, self.wire, self._body, run_id=self.run_id, timeout=self.timeout,
+            what="relay request", caps=self.wire.caps(RELAY_HANDLER, LIMITS), strikes=False,
+        )  # fmt: skip
+
+    async def _body(self, s: Stream) -> None:
+        target, handler = parse_header(decode_frame(await s.receive(HEADER_BYTES), run_id=self.run_id), "t")
+        from node.net.rpc import PeerUnreachable, open_stream  # rpc uses Paths from here
+
+        try:
+            # never through another relay: the target keeps a connection to us, or it is not ours
+            r, w = await open_stream(self.p2p, target, RELAYED_HANDLER, self.timeout, direct=True)
+        except PeerUnreachable:
+            self.refused += 1
+            raise FrameError(f"relay cannot reach {target[:12]}") from None
+        try:
+            await self.wire.send(
+                w, encode_frame(relay_header(RELAYED_HANDLER, self.run_id, s.peer, handler)), self.timeout
+            )
+            ack = decode_frame(await self.wire.recv(r, HEADER_BYTES, self.timeout), run_id=self.run_id)
+            if ack.kind == "error":
+                raise FrameError(str(ack.meta.get("message", "refused")))
+        except Exception:
+            close_quietly(w)
+            self.refused += 1
+            raise
+        await s.send(Frame(kind="relay", run_id=self.run_id, meta={"ok": 1}))
+        self.streams += 1
+        self.active += 1
+
+        def count(n: int) -> None:
+            self.relayed_bytes += n
+
+        try:
+            await splice((s.reader, s.writer), (r, w), count, self.cap)
+        finally:
+            self.active -= 1
+
+
+class RelayedIn:
+    """``vnode.relayed`` on a NAT'd node: a stream one of its relays carries from a caller."""
+
+    def __init__(self, p2p, wire: Wire, run_id: str, timeout: float, relays: set[str]) -> None:
+        self.p2p, self.wire, self.run_id, self.timeout = p2p, wire, run_id, timeout
+        self.relays = relays  # the relays this node chose (updated in place by its lifecycle)
+        self.accepted = 0
+
+    async def handle(self, stream_info, reader, writer) -> None:
+        relay = str(stream_info.peer_id)
+        caller = handler = None
+
+        async def body(s: Stream) -> None:
+            nonlocal caller, handler
+            if relay not in self.relays:
+                raise NotAllowed(f"{relay[:12]} is not one of this node's relays")
+            caller, handler = parse_header(
+                decode_frame(await s.receive(HEADER_BYTES), run_id=self.run_id), "f"
+            )
+            if handler not in local_handlers(self.p2p):
+                raise FrameError(f"no handler {handler} here")
+            await s.send(Frame(kind="relay", run_id=self.run_id, meta={"ok": 1}))
+
+        # serve() closes the stream when its body ends: run the handler inside it
+        async def body_then_handler(s: Stream) -> None:
+            await body(s)
+            self.accepted += 1
+            info = StreamInfo(PeerID.from_base58(caller), stream_info.addr, handler)
+            await local_handlers(self.p2p)[handler](info, reader, writer)
+
+        await serve(
+            stream_info, reader, writer, self.wire, body_then_handler, run_id=self.run_id,
+            timeout=self.timeout, what="relayed stream", strikes=False,
+        )  # fmt: skip
+
+
+def local_handlers(p2p) -> Mapping:
+    """The binary stream handlers this node registered, by name (hivemind keeps them in its daemon
+    client's control part; it has no public accessor)."""
+    control = getattr(getattr(p2p, "_client", None), "control", None)
+    return getattr(control, "handlers", None) or {}
+
+
+class Paths:
+    """How this node opens a stream to each peer: directly, or through the peer's relays.
+
+    Refreshed every half heartbeat (``update``) from the stage records and the daemon's list of
+    connected peers. A peer behind NAT (record reach ``reverse``) with no connection to us can only
+    be reached through a relay; everyone else directly (a dial, or a connection that exists)."""
+
+    def __init__(self, wire: Wire, run_id: str) -> None:
+        self.wire, self.run_id = wire, run_id
+        self.relays: dict[str, list[str]] = {}  # NAT'd peer -> the relays its record names
+        self.connected: set[str] = set()
+        self.relayed_streams = 0  # streams this node opened through a relay
+        self.relay_failures = 0
+
+    def update(self, records: Mapping[str, object], connected: set[str]) -> None:
+        self.connected = set(connected)
+        self.relays = {
+            p: list(getattr(r, "relays", []))[:MAX_RELAYS]
+            for p, r in records.items()
+            if getattr(r, "reach", "direct") == "reverse"
+        }
+
+    def via(self, peer: str) -> list[str]:
+        """The relays to try for ``peer``, in order; [] to open the stream directly."""
+        if peer in self.connected or peer not in self.relays:
+            return []
+        return [r for r in self.relays[peer] if r in self.connected] or self.relays[peer]
+
+
+def connection_kind(me_nat: bool, peer_reach: str, connected: bool, punched: bool, relayed: bool) -> str:
+    """direct | reversed | punched | relayed: how streams between this node and a peer travel.
+    Reversed: one side is behind NAT and rides the connection it opened to the other."""
+    if relayed:
+        return "relayed"
+    if punched and connected:
+        return "punched"
+    return "reversed" if me_nat or peer_reach == "reverse" else "direct"
+
+
+_PATHS: dict[int, Paths] = {}  # id(p2p) -> its Paths: one node, one daemon client
+
+
+def install(p2p, paths: Paths | None) -> None:
+    if paths is None:
+        _PATHS.pop(id(p2p), None)
+    else:
+        _PATHS[id(p2p)] = paths
+
+
+def paths_of(p2p) -> Paths | None:
+    return _PATHS.get(id(p2p))
+
+
+async def open_relayed(p2p, paths: Paths, relay: str, peer: str, handler: str, timeout: float):
+    """(reader, writer) of a stream to ``peer``'s ``handler`` carried by ``relay``; raises
+    ``FrameError`` if the relay refused, ``PeerUnreachable`` if the relay cannot be reached."""
+    from node.net.rpc import open_stream
+
+    r, w = await open_stream(p2p, relay, RELAY_HANDLER, timeout, direct=True)
+    try:
+        await paths.wire.send(
+            w, encode_frame(relay_header(RELAY_HANDLER, paths.run_id, peer, handler)), timeout
+        )
+        ack = decode_frame(await paths.wire.recv(r, HEADER_BYTES, timeout), run_id=paths.run_id)
+    except BaseException:
+        close_quietly(w)
+        raise
+    if ack.kind == "error" or not ack.meta.get("ok"):
+        close_quietly(w)
+        raise FrameError(str(ack.meta.get("message", "relay refused")))
+    paths.relayed_streams += 1
+    return r, w
+
+
+__all__ = [
+    "MAX_RELAYS",
+    "RELAYED_HANDLER",
+    "RELAY_HANDLER",
+    "RELAYS_WANTED",
+    "Paths",
+    "RateCap",
+    "RelayServer",
+    "RelayedIn",
+    "choose_relays",
+    "connection_kind",
+    "install",
+    "open_relayed",
+    "paths_of",
+    "splice",
+]

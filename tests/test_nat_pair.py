@@ -1,0 +1,94 @@
+"""Two home nodes behind NAT train next to each other (network namespaces).
+
+A public node P (the bootstrap, a stage-0 replica, and a relay), a head A behind one router and a
+tail B behind another: A's frames to B have no connection to ride (neither can dial the other),
+so they go through P's relay (``node.net.relay``). B's router is a symmetric NAT (ports
+randomised), which no hole punch gets through, so the relay carries them for the whole run.
+
+What is proven (each part can fail on its own):
+* A, which can reach stage 1 only through B, trains >= 20 steps with 0 dropped microbatches, with
+  frames of 256 KiB (above go-libp2p's default relay limit of 128 KiB per circuit);
+* the frames went through the relay: P counts relayed bytes, B counts relayed streams accepted,
+  and A reports its connection to B as ``relayed``;
+* A was not refused at join, and its record announces its relays.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_nat import PORT, Node, _support_reason, _wait
+
+pytestmark = pytest.mark.skipif(bool(reason := _support_reason()), reason=f"needs namespaces + NAT: {reason}")
+
+# 16 rows of 32 tokens of a 256-wide model in bf16: 256 KiB forward frames
+BIG = ["--microbatch", "16", "--batch-tokens", "512"]
+RUN_ID = ["--run-id", "natpair"]  # every node: a joiner reads the rest of the run from the DHT
+
+
+@pytest.fixture
+def topo():
+    from bench.netns import NatTopology, leftover_nat_namespaces
+
+    t = NatTopology(n_public=1, n_homes=2, random_ports=(1,))
+    try:
+        t.build()
+        yield t
+    finally:
+        t.teardown()
+        assert not [n for n in leftover_nat_namespaces() if n.startswith(f"vnat{t.tag}-")]
+
+
+def test_two_nat_nodes_train_through_a_relay(topo, tmp_path):
+    pub = Node(
+        topo,
+        topo.public_ns(0),
+        topo.public_addr(0),
+        tmp_path / "pub",
+        ["--stages", "2", "--stage", "0", *BIG, *RUN_ID],
+    )
+    nodes = [pub]
+    try:
+        _wait(lambda: (pub.dir / "ready.json").exists(), 60, "the public node", pub)
+        peer = json.loads((pub.dir / "ready.json").read_text())["peer_id"]
+        peers = ["--peers", f"/ip4/{topo.public_addr(0)}/tcp/{PORT}/p2p/{peer}"]
+        tail = Node(
+            topo,
+            topo.home_ns_of(1),
+            topo.home_addr_of(1),
+            tmp_path / "tail",
+            [*peers, "--stage", "1", *RUN_ID],
+        )
+        nodes.append(tail)
+        _wait(lambda: tail.metrics().get("inner_step", 0) >= 1, 120, "the NAT'd tail to train", pub, tail)
+        head = Node(
+            topo,
+            topo.home_ns_of(0),
+            topo.home_addr_of(0),
+            tmp_path / "head",
+            [*peers, "--stage", "0", *RUN_ID],
+        )
+        nodes.append(head)
+        _wait(
+            lambda: head.metrics().get("inner_step", 0) >= 20,
+            180,
+            "20 steps of the NAT'd head",
+            pub,
+            tail,
+            head,
+        )
+        h, t, p = head.metrics(), tail.metrics(), pub.metrics()
+        assert h["reachability"] == "nat" and t["reachability"] == "nat", (
+            h["reachability"],
+            t["reachability"],
+        )
+        assert h["dropped_microbatches"] == 0, h
+        assert h["connections"][t["peer_id"]] == "relayed", h["connections"]
+        assert p["relay"]["serving"] and p["relay"]["relayed_bytes"] > 20 * 2 * (256 << 10), p["relay"]
+        assert t["relay"]["accepted_in"] >= 20, t["relay"]
+        assert h["relay"]["mine"] == [peer] and t["relay"]["mine"] == [peer], (h["relay"], t["relay"])
+    finally:
+        for n in reversed(nodes):
+            n.stop()
