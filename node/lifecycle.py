@@ -26,7 +26,8 @@ from node.dp.scape import SCAPE_HANDLER, ScapeSync
 from node.dp.tied import TIED_HANDLER, TiedExchange
 from node.net import relay
 from node.net.alive import ALIVE_HANDLER, handle_alive
-from node.net.reach import DIALBACK_HANDLER, RECHECK_BEATS, DialBack, ask_many, rechecked
+from node.net.punch import PUNCH_HANDLER, Puncher
+from node.net.reach import DIALBACK_HANDLER, RECHECK_BEATS, DialBack, ask_many, rechecked, tcp_target
 from node.net.wire import raise_accept_backlog
 from node.stage.basis import HANDLER as BASIS_HANDLER
 from node.stage.context import StageContext
@@ -92,7 +93,8 @@ class Lifecycle:
     relay_server: relay.RelayServer | None = None  # a reachable node carries streams for NAT'd ones
     relayed_in: relay.RelayedIn | None = None  # streams our relays carry to us
     my_relays: list[str] = []  # behind NAT: the relays this node keeps connections to
-    punched: set[str] = set()  # NAT'd peers this node holds a hole-punched connection to
+    puncher: Puncher | None = None  # hole punching between NAT'd peers (node.net.punch)
+    _punching: asyncio.Task | None = None
     stop_request: StopRequest | None = None  # a signal that came while the node started (join)
     base: str = ""  # the frozen base's dtype under LoRA (node.model.adapters.frozen_base), for the record
 
@@ -172,7 +174,29 @@ class Lifecycle:
         if mine != self.my_relays:
             log.info("behind NAT: relays %s", " ".join(r[:12] for r in mine) or "none reachable")
             self.my_relays = mine
+        if self.puncher is not None and (self._punching is None or self._punching.done()):
+            self._punching = asyncio.create_task(self.punch(records))
         return kept
+
+    async def punch(self, records: dict) -> None:
+        """Behind NAT: learn our public address from a relay, then try to punch a direct connection
+        to each NAT'd peer we call and are not connected to (node.net.punch; replicas: the lower id
+        calls). In a task of its own: a dial that finds no mapping takes seconds."""
+        ctx, puncher = self.ctx, self.puncher
+        try:
+            await puncher.learn_public(self.my_relays)
+            callees = set(ctx.routes[ctx.index + 1]) if ctx.index + 1 < len(ctx.routes) else set()
+            callees |= {p for p in ctx.routes[ctx.index] if p > ctx.peer_id}
+            for p in sorted(callees):
+                r = records.get(p)
+                if r is not None and r.reach == "reverse" and r.ready and p not in self.paths.connected:
+                    await puncher.attempt(p)
+        except Exception as e:  # the daemon busy: the next beat tries again
+            log.info("hole punching failed: %s", e)
+
+    @property
+    def punched(self) -> set[str]:
+        return self.puncher.punched if self.puncher is not None else set()
 
     def connection_kinds(self) -> dict[str, str]:
         """Peer id -> how this node talks to it (direct, reversed, punched, relayed), for the
@@ -195,6 +219,8 @@ class Lifecycle:
         if self.paths is None:
             return
         connected = {info.peer_id.to_base58() for info in await p2p.list_peers()}
+        if self.puncher is not None:  # a punched connection that died: its peer is relayed again
+            self.puncher.punched &= connected
         self.paths.update({p: r for stage in self.ctx.routes for p, r in stage.items()}, connected)
 
     async def reverse_loop(self) -> None:
@@ -367,6 +393,9 @@ class Lifecycle:
             await p2p.add_binary_stream_handler(relay.RELAY_HANDLER, self.relay_server.handle)
         self.relayed_in = relay.RelayedIn(p2p, ctx.wire, ctx.run.run_id, ctx.cfg.hop_timeout, set())
         await p2p.add_binary_stream_handler(relay.RELAYED_HANDLER, self.relayed_in.handle)
+        port = next((t[1] for t in map(tcp_target, self.maddrs) if t is not None), ctx.cfg.port)
+        self.puncher = Puncher(p2p, ctx.wire, ctx.run.run_id, (ctx.cfg.host, port), ctx.cfg.hop_timeout)
+        await p2p.add_binary_stream_handler(PUNCH_HANDLER, self.puncher.handle)
         await p2p.add_binary_stream_handler(HANDLER, self.server.handle_stream)
         raise_accept_backlog(p2p)  # before the first burst of streams, not at the first stream served
         if self.reachability == "nat":  # connected to those who call us before they route to us
@@ -420,7 +449,14 @@ class Lifecycle:
         self.write_metrics()
         self.write_health(serving=False)
         # a node that moves registers its handlers again for the new stage, in this process
-        handlers = [HANDLER, ALIVE_HANDLER, METRICS_HANDLER, DIALBACK_HANDLER, relay.RELAYED_HANDLER]
+        handlers = [
+            HANDLER,
+            ALIVE_HANDLER,
+            METRICS_HANDLER,
+            DIALBACK_HANDLER,
+            relay.RELAYED_HANDLER,
+            PUNCH_HANDLER,
+        ]
         handlers += [relay.RELAY_HANDLER] if self.relay_server is not None else []
         relay.install(p2p, None)
         if self.move_to is not None:

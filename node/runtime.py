@@ -244,6 +244,13 @@ class StageRuntime(Lifecycle):
                 "accepted_in": self.relayed_in.accepted if self.relayed_in else 0,
             },
             "connections": self.connection_kinds(),
+            "punch": {  # node.net.punch: direct connections punched to NAT'd peers, and failed tries
+                "punched": len(self.punched),
+                "failed": self.puncher.failed if self.puncher else 0,
+                "public": self.puncher.public if self.puncher else None,
+                "spliced": self.puncher.spliced if self.puncher else 0,  # callee side: carried to p2pd
+                "spliced_bytes": self.puncher.spliced_bytes if self.puncher else 0,
+            },
             "compute_s": self.compute.seconds,
             "device": str(self.compute.device),
             "base": self.base,  # LoRA's frozen base: fp32 | bf16 | nf4 ("" under full fine-tuning)

@@ -2,15 +2,20 @@
 
 A public node P (the bootstrap, a stage-0 replica, and a relay), a head A behind one router and a
 tail B behind another: A's frames to B have no connection to ride (neither can dial the other),
-so they go through P's relay (``node.net.relay``). B's router is a symmetric NAT (ports
-randomised), which no hole punch gets through, so the relay carries them for the whole run.
+so they go through P's relay (``node.net.relay``). With B's router a symmetric NAT (ports
+randomised), no hole punch gets through, so the relay carries them for the whole run; with two
+port-preserving routers, A punches a direct connection to B (``node.net.punch``) and the frames
+leave the relay.
 
 What is proven (each part can fail on its own):
 * A, which can reach stage 1 only through B, trains >= 20 steps with 0 dropped microbatches, with
   frames of 256 KiB (above go-libp2p's default relay limit of 128 KiB per circuit);
 * the frames went through the relay: P counts relayed bytes, B counts relayed streams accepted,
   and A reports its connection to B as ``relayed``;
-* A was not refused at join, and its record announces its relays.
+* A was not refused at join, and its record announces its relays;
+* through two port-preserving routers the pair ends on a punched connection: the head's router
+  tracks a connection to the tail router's public address, and the relay's byte count stops
+  growing while the head trains on.
 """
 
 from __future__ import annotations
@@ -28,11 +33,10 @@ BIG = ["--microbatch", "16", "--batch-tokens", "512"]
 RUN_ID = ["--run-id", "natpair"]  # every node: a joiner reads the rest of the run from the DHT
 
 
-@pytest.fixture
-def topo():
+def _topology(**kw):
     from bench.netns import NatTopology, leftover_nat_namespaces
 
-    t = NatTopology(n_public=1, n_homes=2, random_ports=(1,))
+    t = NatTopology(n_public=1, n_homes=2, **kw)
     try:
         t.build()
         yield t
@@ -41,7 +45,21 @@ def topo():
         assert not [n for n in leftover_nat_namespaces() if n.startswith(f"vnat{t.tag}-")]
 
 
-def test_two_nat_nodes_train_through_a_relay(topo, tmp_path):
+@pytest.fixture
+def symmetric():
+    """Home 1's router randomises ports (a symmetric NAT): no punch gets through it."""
+    yield from _topology(random_ports=(1,))
+
+
+@pytest.fixture
+def routers():
+    """Two port-preserving home routers (endpoint-independent mapping, as most are)."""
+    yield from _topology()
+
+
+def _pair(topo, tmp_path) -> list[Node]:
+    """The public node, then the NAT'd tail (stage 1), then the NAT'd head (stage 0); returns them
+    once the head made 20 steps (it can only make them with the tail)."""
     pub = Node(
         topo,
         topo.public_ns(0),
@@ -71,14 +89,17 @@ def test_two_nat_nodes_train_through_a_relay(topo, tmp_path):
             [*peers, "--stage", "0", *RUN_ID],
         )
         nodes.append(head)
-        _wait(
-            lambda: head.metrics().get("inner_step", 0) >= 20,
-            180,
-            "20 steps of the NAT'd head",
-            pub,
-            tail,
-            head,
-        )
+        _wait(lambda: head.metrics().get("inner_step", 0) >= 20, 180, "20 steps of the NAT'd head", *nodes)
+        return nodes
+    except BaseException:
+        for n in reversed(nodes):
+            n.stop()
+        raise
+
+
+def test_two_nat_nodes_train_through_a_relay(symmetric, tmp_path):
+    pub, tail, head = nodes = _pair(symmetric, tmp_path)
+    try:
         h, t, p = head.metrics(), tail.metrics(), pub.metrics()
         assert h["reachability"] == "nat" and t["reachability"] == "nat", (
             h["reachability"],
@@ -88,7 +109,41 @@ def test_two_nat_nodes_train_through_a_relay(topo, tmp_path):
         assert h["connections"][t["peer_id"]] == "relayed", h["connections"]
         assert p["relay"]["serving"] and p["relay"]["relayed_bytes"] > 20 * 2 * (256 << 10), p["relay"]
         assert t["relay"]["accepted_in"] >= 20, t["relay"]
-        assert h["relay"]["mine"] == [peer] and t["relay"]["mine"] == [peer], (h["relay"], t["relay"])
+        assert h["relay"]["mine"] == [p["peer_id"]] and t["relay"]["mine"] == [p["peer_id"]], (
+            h["relay"],
+            t["relay"],
+        )
+        # it tried to punch, failed, said so, and the relay still carries the pair
+        _wait(lambda: head.metrics()["punch"]["failed"] >= 1, 60, "a failed punch", *nodes)
+        assert "could not punch a direct connection" in (head.dir / "log").read_text()
+        assert head.metrics()["punch"]["punched"] == 0 and head.metrics()["dropped_microbatches"] == 0
+        assert head.metrics()["connections"][t["peer_id"]] == "relayed"
+    finally:
+        for n in reversed(nodes):
+            n.stop()
+
+
+def test_two_nat_nodes_punch_a_direct_connection(routers, tmp_path):
+    pub, tail, head = nodes = _pair(routers, tmp_path)
+    try:
+        t = tail.metrics()
+        _wait(
+            lambda: head.metrics()["connections"].get(t["peer_id"]) == "punched",
+            60,
+            "a punched connection",
+            *nodes,
+        )
+        # the head's router tracks a connection to the tail's router's public address, port 31337
+        flows = routers.conntrack_flows(0)
+        if flows is not None:
+            g1 = routers.gw_public_addr_of(1)
+            assert any(f["dst"] == g1 and f["dport"] == str(PORT) for f in flows), flows
+        # from now on the frames go straight: the relay's byte count stands still while the head trains
+        relayed, steps = pub.metrics()["relay"]["relayed_bytes"], head.metrics()["inner_step"]
+        _wait(lambda: head.metrics()["inner_step"] >= steps + 10, 120, "10 more steps", *nodes)
+        assert pub.metrics()["relay"]["relayed_bytes"] == relayed, (relayed, pub.metrics()["relay"])
+        assert head.metrics()["dropped_microbatches"] == 0, head.metrics()
+        assert head.metrics()["connections"][t["peer_id"]] == "punched"
     finally:
         for n in reversed(nodes):
             n.stop()

@@ -117,7 +117,7 @@ class RateCap:
             await asyncio.sleep((n - self.tokens) / self.rate)
 
 
-async def _pump(reader, writer, count, cap: RateCap | None, idle: float) -> None:
+async def _pump(reader, writer, count, cap: RateCap | None, idle: float | None) -> None:
     """Copy ``reader`` to ``writer`` until EOF; ``count(n)`` for each chunk."""
     while True:
         data = await asyncio.wait_for(reader.read(CHUNK), idle)
@@ -130,9 +130,12 @@ async def _pump(reader, writer, count, cap: RateCap | None, idle: float) -> None
         count(len(data))
 
 
-async def splice(a: tuple, b: tuple, count, cap: RateCap | None = None, idle: float = PIPE_IDLE_S) -> None:
+async def splice(
+    a: tuple, b: tuple, count, cap: RateCap | None = None, idle: float | None = PIPE_IDLE_S
+) -> None:
     """Copy bytes both ways between streams ``a`` and ``b`` (each (reader, writer)) until both
-    directions end; the first end that closes half-closes the other side where it can."""
+    directions end; the first end that closes half-closes the other side where it can. ``idle``:
+    seconds without a byte that end it (None: never)."""
 
     async def one_way(src, dst) -> None:
         try:
