@@ -38,7 +38,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
@@ -317,6 +317,12 @@ def paths_of(p2p) -> Paths | None:
     return _PATHS.get(id(p2p))
 
 
+def is_relayed(p2p) -> Callable[[str], bool]:
+    """peer -> whether this node reaches it only through a relay now (routing's discount)."""
+    paths = paths_of(p2p)
+    return (lambda peer: bool(paths.via(peer))) if paths is not None else (lambda peer: False)
+
+
 async def open_relayed(p2p, paths: Paths, relay: str, peer: str, handler: str, timeout: float):
     """(reader, writer) of a stream to ``peer``'s ``handler`` carried by ``relay``; raises
     ``FrameError`` if the relay refused, ``PeerUnreachable`` if the relay cannot be reached."""
@@ -350,6 +356,7 @@ __all__ = [
     "choose_relays",
     "connection_kind",
     "install",
+    "is_relayed",
     "open_relayed",
     "paths_of",
     "splice",

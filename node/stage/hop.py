@@ -14,6 +14,7 @@ import time
 import zlib
 from collections.abc import Callable
 
+from node.net import relay
 from node.net.alive import answers
 from node.net.rpc import PeerUnreachable, open_stream
 from node.net.transport import close_quietly
@@ -173,10 +174,11 @@ class HopClient:
         again: str | None = None
         wait, give_up = BUSY_RETRY_S[0], time.monotonic() + self.deadline(ctx.index)
         while failures < 2:
-            peer = choose_peer(ctx.routes[nxt], ctx.cfg.circuit, tried, self.rng)
+            relayed = relay.is_relayed(ctx.p2p)
+            peer = choose_peer(ctx.routes[nxt], ctx.cfg.circuit, tried, self.rng, relayed)
             if peer is None:
                 await self.refresh_routes()
-                peer = choose_peer(ctx.routes[nxt], ctx.cfg.circuit, tried, self.rng)
+                peer = choose_peer(ctx.routes[nxt], ctx.cfg.circuit, tried, self.rng, relayed)
             if peer is None and last is not None and last.busy and time.monotonic() + wait < give_up:
                 await asyncio.sleep(wait)
                 wait = min(2 * wait, BUSY_RETRY_S[1])

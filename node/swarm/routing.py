@@ -8,7 +8,7 @@ a peer that just failed us is excluded for the retry.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from protocol.records import StageRecord
 
@@ -19,18 +19,27 @@ UNMEASURED_THROUGHPUT = 1.0  # when nobody has measured anything yet, all peers 
 # two equal peers the one that can be dialled is the safer pick (Petals weighs relayed servers 0.2;
 # a reversed one costs no relay, so less of a discount).
 REVERSE_WEIGHT = 0.5
+# A peer this node reaches only through a relay (both behind NAT, no punched connection) weighs this
+# share, as Petals weighs relayed servers: every byte crosses a third machine's line, and a relay
+# that leaves costs a retry. A punched connection is a direct one and weighs as a reversed peer.
+RELAYED_WEIGHT = 0.2
 
 
 def announced_throughput(rec: StageRecord, fallback: float = UNMEASURED_THROUGHPUT) -> float:
     return rec.throughput if rec.throughput > 0 else fallback
 
 
-def peer_weights(records: list[StageRecord]) -> list[float]:
-    """Throughput / (1 + queue). A peer that has measured nothing yet weighs as the mean measured
-    peer: weighing it by zero would starve it forever (it can only measure what it is sent)."""
+def peer_weights(records: list[StageRecord], relayed: list[bool] | None = None) -> list[float]:
+    """Throughput / (1 + queue), discounted by how the peer is reached (``reach_weight``; each
+    ``relayed`` one by RELAYED_WEIGHT). A peer that has measured nothing yet weighs as the mean
+    measured peer: weighing it by zero would starve it forever (it can only measure what it is sent)."""
     measured = [r.throughput for r in records if r.throughput > 0]
     fallback = sum(measured) / len(measured) if measured else UNMEASURED_THROUGHPUT
-    return [reach_weight(r) * announced_throughput(r, fallback) / (1.0 + r.queue) for r in records]
+    relayed = relayed or [False] * len(records)
+    return [
+        (RELAYED_WEIGHT if via else reach_weight(r)) * announced_throughput(r, fallback) / (1.0 + r.queue)
+        for r, via in zip(records, relayed)
+    ]
 
 
 def reach_weight(rec: StageRecord) -> float:
@@ -39,9 +48,14 @@ def reach_weight(rec: StageRecord) -> float:
 
 
 def choose_peer(
-    candidates: Mapping[str, StageRecord], circuit: str, exclude: set[str], rng: random.Random
+    candidates: Mapping[str, StageRecord],
+    circuit: str,
+    exclude: set[str],
+    rng: random.Random,
+    relayed: Callable[[str], bool] = lambda peer: False,
 ) -> str | None:
-    """A ready peer of ``circuit`` not in ``exclude``, or None when there is none."""
+    """A ready peer of ``circuit`` not in ``exclude``, or None when there is none; ``relayed(peer)``:
+    whether this node reaches it only through a relay (``node.net.relay.Paths.via``)."""
     live = [
         (pid, r)
         for pid, r in sorted(candidates.items())
@@ -49,7 +63,7 @@ def choose_peer(
     ]
     if not live:
         return None
-    weights = peer_weights([r for _, r in live])
+    weights = peer_weights([r for _, r in live], [relayed(pid) for pid, _ in live])
     x = rng.random() * sum(weights)
     for (pid, _), w in zip(live, weights):
         x -= w
