@@ -24,6 +24,7 @@ from compression.spectral import SpectralFilter
 from node.dp.anchors import ANCHOR_HANDLER, AnchorClient, PacketSink
 from node.dp.scape import SCAPE_HANDLER, ScapeSync
 from node.dp.tied import TIED_HANDLER, TiedExchange
+from node.net import paths as routes
 from node.net import relay
 from node.net.alive import ALIVE_HANDLER, handle_alive
 from node.net.punch import PUNCH_HANDLER, Puncher
@@ -89,7 +90,7 @@ class Lifecycle:
     reachability: str = "direct"
     reverser: Reverser | None = None  # behind NAT: the connections kept to those peers
     # how streams to each peer are opened: directly or through its relays (node.net.relay)
-    paths: relay.Paths | None = None
+    paths: routes.Paths | None = None
     relay_server: relay.RelayServer | None = None  # a reachable node carries streams for NAT'd ones
     relayed_in: relay.RelayedIn | None = None  # streams our relays carry to us
     my_relays: list[str] = []  # behind NAT: the relays this node keeps connections to
@@ -163,7 +164,7 @@ class Lifecycle:
         addresses their records announce; the peers connected after it."""
         ctx = self.ctx
         callers = must_call_me(ctx.routes, ctx.index, ctx.peer_id, ctx.cfg.circuit, ctx.run.tied)
-        chosen = relay.choose_relays(relays_of(ctx.routes, ctx.peer_id), ctx.peer_id)
+        chosen = routes.choose_relays(relays_of(ctx.routes, ctx.peer_id), ctx.peer_id)
         # a caller behind NAT cannot be dialled: it reaches us through our relays instead
         records = {p: r for stage in ctx.routes for p, r in stage.items()}
         targets = {p for p in callers if p in records and records[p].reach == "direct"} | set(chosen)
@@ -208,14 +209,14 @@ class Lifecycle:
             if 0 <= s < len(ctx.routes):
                 for p, r in ctx.routes[s].items():
                     if p != ctx.peer_id:
-                        out[p] = relay.connection_kind(
+                        out[p] = routes.connection_kind(
                             self.reachability == "nat", r.reach, p in self.paths.connected,
                             p in self.punched, bool(self.paths.via(p)),
                         )  # fmt: skip
         return out
 
     async def refresh_paths(self, p2p) -> None:
-        """The connected peers and the NAT'd peers' relays, for ``node.net.rpc`` (node.net.relay.Paths)."""
+        """The connected peers and the NAT'd peers' relays, for ``node.net.rpc`` (node.net.routes.Paths)."""
         if self.paths is None:
             return
         connected = {info.peer_id.to_base58() for info in await p2p.list_peers()}
@@ -384,15 +385,15 @@ class Lifecycle:
         )
         await p2p.add_binary_stream_handler(METRICS_HANDLER, self.metrics_server.handle)
         await p2p.add_binary_stream_handler(DIALBACK_HANDLER, DialBack(ctx.wire, ctx.run.run_id).handle)
-        self.paths = relay.Paths(ctx.wire, ctx.run.run_id)
-        relay.install(p2p, self.paths)
+        self.paths = routes.Paths(ctx.wire, ctx.run.run_id)
+        routes.install(p2p, self.paths)
         if ctx.cfg.relay_service:  # announced (StageRecord.relay) only while this node is reachable
             self.relay_server = relay.RelayServer(
                 p2p, ctx.wire, ctx.run.run_id, ctx.cfg.hop_timeout, ctx.cfg.relay_rate * 1e6
             )
-            await p2p.add_binary_stream_handler(relay.RELAY_HANDLER, self.relay_server.handle)
+            await p2p.add_binary_stream_handler(routes.RELAY_HANDLER, self.relay_server.handle)
         self.relayed_in = relay.RelayedIn(p2p, ctx.wire, ctx.run.run_id, ctx.cfg.hop_timeout, set())
-        await p2p.add_binary_stream_handler(relay.RELAYED_HANDLER, self.relayed_in.handle)
+        await p2p.add_binary_stream_handler(routes.RELAYED_HANDLER, self.relayed_in.handle)
         port = next((t[1] for t in map(tcp_target, self.maddrs) if t is not None), ctx.cfg.port)
         self.puncher = Puncher(p2p, ctx.wire, ctx.run.run_id, (ctx.cfg.host, port), ctx.cfg.hop_timeout)
         await p2p.add_binary_stream_handler(PUNCH_HANDLER, self.puncher.handle)
@@ -454,11 +455,11 @@ class Lifecycle:
             ALIVE_HANDLER,
             METRICS_HANDLER,
             DIALBACK_HANDLER,
-            relay.RELAYED_HANDLER,
+            routes.RELAYED_HANDLER,
             PUNCH_HANDLER,
         ]
-        handlers += [relay.RELAY_HANDLER] if self.relay_server is not None else []
-        relay.install(p2p, None)
+        handlers += [routes.RELAY_HANDLER] if self.relay_server is not None else []
+        routes.install(p2p, None)
         if self.move_to is not None:
             handlers += [WEIGHTS_HANDLER, ANCHOR_HANDLER, SCAPE_HANDLER, BASIS_HANDLER, TIED_HANDLER]
         for name in handlers:

@@ -147,3 +147,46 @@ def test_two_nat_nodes_punch_a_direct_connection(routers, tmp_path):
     finally:
         for n in reversed(nodes):
             n.stop()
+
+
+def test_two_nat_replicas_average_outer_rounds(routers, tmp_path):
+    """Two heads behind two routers are replicas of stage 0 next to a public tail: they punch a
+    direct connection (the lower peer id calls), and hivemind's averager, which opens its streams
+    by peer id through p2pd, rides it; their outer rounds commit with each other."""
+    tail = Node(
+        routers, routers.public_ns(0), routers.public_addr(0), tmp_path / "pub",
+        ["--stages", "2", "--stage", "1", "--outer-every", "5", *BIG, *RUN_ID],
+    )  # fmt: skip
+    nodes = [tail]
+    try:
+        _wait(lambda: (tail.dir / "ready.json").exists(), 60, "the public tail", tail)
+        peer = json.loads((tail.dir / "ready.json").read_text())["peer_id"]
+        peers = ["--peers", f"/ip4/{routers.public_addr(0)}/tcp/{PORT}/p2p/{peer}", "--stage", "0", *RUN_ID]
+        for j in (0, 1):
+            nodes.append(
+                Node(routers, routers.home_ns_of(j), routers.home_addr_of(j), tmp_path / f"h{j}", peers)
+            )
+
+        def together() -> int:  # rounds each head committed in a group of two
+            return min(
+                sum(
+                    1
+                    for r in n.metrics().get("outer_rounds", [])
+                    if not r["skipped"] and r["group_size"] == 2
+                )
+                for n in nodes[1:]
+            )
+
+        _wait(lambda: together() >= 2, 240, "two outer rounds of the NAT'd replicas together", *nodes)
+        a, b = (n.metrics() for n in nodes[1:])
+        assert a["reachability"] == b["reachability"] == "nat"
+        assert {a["connections"][b["peer_id"]], b["connections"][a["peer_id"]]} == {
+            "punched",
+            "reversed",
+        } or (a["connections"][b["peer_id"]] == b["connections"][a["peer_id"]] == "punched"), (
+            a["connections"],
+            b["connections"],
+        )
+    finally:
+        for n in reversed(nodes):
+            n.stop()

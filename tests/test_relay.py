@@ -9,8 +9,9 @@ import random
 
 import pytest
 
+from node.net.paths import Paths, choose_relays, connection_kind, parse_header, relay_header
 from node.net.punch import as_maddr
-from node.net.relay import Paths, choose_relays, connection_kind, parse_header, relay_header, splice
+from node.net.relay import splice
 from node.net.serve import NotAllowed
 from node.net.wire import Wire
 from node.swarm.routing import RELAYED_WEIGHT, REVERSE_WEIGHT, choose_peer, peer_weights, relays_of

@@ -14,7 +14,7 @@ the relays report (``seen``). Then, for A (the caller) and B (a peer it has no c
    to B's connecting socket: a TCP simultaneous open, so both ends' sequence numbers are the ones
    the routers tracked. B then splices that connection to its own p2pd's listening port, and the
    two daemons shake hands over it as over any dialled connection (A's p2pd checks B's peer id);
-   every stream between A and B rides it from then on (``node.net.relay.Paths`` sees them
+   every stream between A and B rides it from then on (``node.net.paths.Paths`` sees them
    connected). Handing A's SYN to p2pd's listening socket instead does not work: its answer
    carries a sequence number the router never saw, and a Linux router drops it as invalid.
 
@@ -119,7 +119,7 @@ class Puncher:
                 meta = {"a": f"{seen[0]}:{seen[1]}"} if seen else {}
             elif op == "prime" and self.public:
                 target = host_port(as_maddr(str(q.meta.get("a", ""))))
-                task = asyncio.create_task(self._prime_and_splice(target))
+                task = asyncio.create_task(self._prime_and_splice(target, s.peer))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
                 await asyncio.sleep(PRIME_S)  # the SYN is out before the caller dials
@@ -133,7 +133,7 @@ class Puncher:
             what="punch request", caps=self.wire.caps(PUNCH_HANDLER, LIMITS), strikes=False,
         )  # fmt: skip
 
-    async def _prime_and_splice(self, target: tuple[str, int]) -> None:
+    async def _prime_and_splice(self, target: tuple[str, int], caller: str) -> None:
         """B's side of step 3: wait for the caller's SYN, then carry that connection to our p2pd."""
         s = await prime(self.listen, target, DIAL_S + 2.0)
         if s is None:
@@ -151,7 +151,11 @@ class Puncher:
         def count(n: int) -> None:
             self.spliced_bytes += n
 
-        await splice(outside, inside, count, idle=None)  # for the connection's life
+        self.punched.add(caller)  # a relayed stream names its true caller (node.net.relay.RelayedIn)
+        try:
+            await splice(outside, inside, count, idle=None)  # for the connection's life
+        finally:
+            self.punched.discard(caller)
 
     async def _ask(self, peer: str, meta: dict) -> str | None:
         replies, _, _ = await rpc.request(

@@ -12,7 +12,7 @@ import asyncio
 
 from hivemind.p2p import PeerID
 
-from node.net import relay
+from node.net import paths as routes
 from node.net.transport import close_quietly
 from node.net.wire import Wire
 from protocol.frames import MAX_FRAME_BYTES, Frame, FrameError, decode_frame, encode_frame
@@ -28,13 +28,13 @@ async def open_stream(p2p, peer: str, handler: str, timeout: float, direct: bool
     A peer behind NAT that this node has no connection to is reached through the relays its stage
     record names (``node.net.relay.Paths``), each tried in turn; ``direct`` skips them (a relay's
     own streams)."""
-    paths = None if direct else relay.paths_of(p2p)
+    paths = None if direct else routes.paths_of(p2p)
     relays = paths.via(peer) if paths is not None else []
     if relays:
         failures = []
         for r in relays:
             try:
-                return await relay.open_relayed(p2p, paths, r, peer, handler, timeout)
+                return await open_relayed(p2p, paths, r, peer, handler, timeout)
             except Exception as e:  # that relay gone, or it cannot reach the peer: the next one
                 failures.append(f"{r[:12]}: {type(e).__name__}: {str(e)[:80]}")
         paths.relay_failures += 1
@@ -48,6 +48,25 @@ async def open_stream(p2p, peer: str, handler: str, timeout: float, direct: bool
     except Exception as e:  # p2pd's own errors, the deadline, a malformed peer id
         raise PeerUnreachable(f"cannot open a stream to {peer[:12]}: {type(e).__name__}") from None
     return reader, writer
+
+
+async def open_relayed(p2p, paths: routes.Paths, relay: str, peer: str, handler: str, timeout: float):
+    """(reader, writer) of a stream to ``peer``'s ``handler`` carried by ``relay``; raises
+    ``FrameError`` if the relay refused, ``PeerUnreachable`` if the relay cannot be reached."""
+    r, w = await open_stream(p2p, relay, routes.RELAY_HANDLER, timeout, direct=True)
+    try:
+        await paths.wire.send(
+            w, encode_frame(routes.relay_header(routes.RELAY_HANDLER, paths.run_id, peer, handler)), timeout
+        )
+        ack = decode_frame(await paths.wire.recv(r, routes.HEADER_BYTES, timeout), run_id=paths.run_id)
+    except BaseException:
+        close_quietly(w)
+        raise
+    if ack.kind == "error" or not ack.meta.get("ok"):
+        close_quietly(w)
+        raise FrameError(str(ack.meta.get("message", "relay refused")))
+    paths.relayed_streams += 1
+    return r, w
 
 
 async def send_only(p2p, wire: Wire, peer: str, handler: str, data: bytes, timeout: float) -> int:

@@ -14,7 +14,7 @@ import time
 import zlib
 from collections.abc import Callable
 
-from node.net import relay
+from node.net import paths as routes
 from node.net.alive import answers
 from node.net.rpc import PeerUnreachable, open_stream
 from node.net.transport import close_quietly
@@ -174,7 +174,7 @@ class HopClient:
         again: str | None = None
         wait, give_up = BUSY_RETRY_S[0], time.monotonic() + self.deadline(ctx.index)
         while failures < 2:
-            relayed = relay.is_relayed(ctx.p2p)
+            relayed = routes.is_relayed(ctx.p2p)
             peer = choose_peer(ctx.routes[nxt], ctx.cfg.circuit, tried, self.rng, relayed)
             if peer is None:
                 await self.refresh_routes()
