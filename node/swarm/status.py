@@ -53,8 +53,11 @@ def run_status(args) -> int:
         print(f"stage {i} (layers {rng[0]}..{rng[1] - 1}): {len(peers)} peer(s), {total:.0f} tok/s")
         for pid, r in sorted(peers.items()):
             state = "ready" if r.ready else "loading/leaving"
+            # how others reach it: dialled (direct), it dials its callers (behind NAT, through its relays)
+            how = "behind NAT" + (f", relays {' '.join(x[:8] for x in r.relays)}" if r.relays else "")
+            how = how if r.reach == "reverse" else "direct" + (", relays for NAT'd peers" if r.relay else "")
             print(
                 f"  {pid}  {r.circuit:6s} {state:15s} {r.throughput:8.0f} tok/s  queue {r.queue}  "
-                f"step {r.inner_step}"
+                f"step {r.inner_step}  {how}"
             )
     return 0

@@ -192,7 +192,11 @@ def build_state(
                     "error": unreachable.get(pid, ""),
                     "device": m["device"] if m else "",
                     "memory": m["memory_rss"] if m else 0,
-                    "reach": reach(r.maddrs, r.reach),
+                    "reach": reach(r.maddrs, r.reach)
+                    + (f" · {len(r.relays)} relays" if r.relays else "")
+                    + (" · relays" if r.relay else ""),
+                    "connections": m.get("connections", "") if m else "",
+                    "relayed_bytes": m.get("relayed_bytes", 0) if m else 0,
                     "base": r.base,
                     "maddrs": r.maddrs[:3],
                 }

@@ -60,13 +60,21 @@ INTS = (
     "memory_peak",
     "losses_first",
     "probe_size",
+    "relayed_bytes",
 )
 FLOATS = ("throughput", "compute_s", "time")
-STRS = ("peer_id", "role", "circuit", "device", "dp_mode")
+STRS = ("peer_id", "role", "circuit", "device", "dp_mode", "connections")
 
 
 class MetricsError(ValueError):
     """A metrics reply that is not what a node sends: the peer is shown as unreachable."""
+
+
+def connections_summary(kinds: dict) -> str:
+    """{peer: kind} -> "direct 2, punched 1": how a node talks to its neighbours, in one short line."""
+    order = ("direct", "reversed", "punched", "relayed")
+    counts = {k: sum(1 for v in kinds.values() if v == k) for k in order}
+    return ", ".join(f"{k} {n}" for k, n in counts.items() if n)
 
 
 def flatten(m: dict) -> tuple[dict, list[float], list[list[int]]]:
@@ -79,6 +87,8 @@ def flatten(m: dict) -> tuple[dict, list[float], list[list[int]]]:
     scalars = {
         **{k: m.get(k, "") for k in ("peer_id", "role", "circuit", "device")},
         "dp_mode": (m.get("dp") or {}).get("mode", ""),
+        "connections": connections_summary(m.get("connections") or {}),
+        "relayed_bytes": int((m.get("relay") or {}).get("relayed_bytes", 0)),
         **{k: int(m.get(k, 0)) for k in INTS if k in m},
         "outer_committed": sum(1 for r in rounds if not r.get("skipped")),
         "outer_skipped": sum(1 for r in rounds if r.get("skipped")) + int(m.get("outer_alone", 0)),
