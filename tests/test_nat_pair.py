@@ -21,10 +21,11 @@ What is proven (each part can fail on its own):
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
-from tests.test_nat import PORT, Node, _support_reason, _wait
+from tests.test_nat import HEARTBEAT_S, MAX_INFLIGHT, PORT, Node, _support_reason, _wait
 
 pytestmark = pytest.mark.skipif(bool(reason := _support_reason()), reason=f"needs namespaces + NAT: {reason}")
 
@@ -36,7 +37,7 @@ RUN_ID = ["--run-id", "natpair"]  # every node: a joiner reads the rest of the r
 def _topology(**kw):
     from bench.netns import NatTopology, leftover_nat_namespaces
 
-    t = NatTopology(n_public=1, n_homes=2, **kw)
+    t = NatTopology(**{"n_public": 1, "n_homes": 2, **kw})
     try:
         t.build()
         yield t
@@ -184,6 +185,93 @@ def test_two_nat_replicas_average_outer_rounds(routers, tmp_path):
         kinds = (a["connections"][b["peer_id"]], b["connections"][a["peer_id"]])
         assert kinds == ("punched", "punched"), (a["connections"], b["connections"])
         assert max(a["punch"]["spliced"], b["punch"]["spliced"]) >= 1, (a["punch"], b["punch"])
+    finally:
+        for n in reversed(nodes):
+            n.stop()
+
+
+@pytest.fixture
+def two_relays():
+    """Two public nodes, a port-preserving home and a symmetric one (no punch: relays only)."""
+    yield from _topology(random_ports=(1,), n_public=2)
+
+
+def test_relay_killed_mid_run(two_relays, tmp_path):
+    """The relay carrying the pair is killed (SIGKILL): the head trains again through the other one
+    within 2 heartbeats, losing at most the microbatches that were in flight."""
+    topo = two_relays
+    pub0 = Node(
+        topo,
+        topo.public_ns(0),
+        topo.public_addr(0),
+        tmp_path / "pub0",
+        ["--stages", "2", "--stage", "0", *BIG, *RUN_ID],
+    )
+    pubs = [pub0]
+    try:
+        _wait(lambda: (pub0.dir / "ready.json").exists(), 60, "public node 0", pub0)
+        first = json.loads((pub0.dir / "ready.json").read_text())["peer_id"]
+        peers = ["--peers", f"/ip4/{topo.public_addr(0)}/tcp/{PORT}/p2p/{first}"]
+        pub1 = Node(
+            topo, topo.public_ns(1), topo.public_addr(1), tmp_path / "pub1", [*peers, "--stage", "0", *RUN_ID]
+        )
+        pubs.append(pub1)
+        _wait(lambda: (pub1.dir / "ready.json").exists(), 60, "public node 1", *pubs)
+    except BaseException:
+        for n in pubs:
+            n.stop()
+        raise
+    nodes = list(pubs)
+    try:
+        tail = Node(
+            topo,
+            topo.home_ns_of(1),
+            topo.home_addr_of(1),
+            tmp_path / "tail",
+            [*peers, "--stage", "1", *RUN_ID],
+        )
+        nodes.append(tail)
+        head = Node(
+            topo,
+            topo.home_ns_of(0),
+            topo.home_addr_of(0),
+            tmp_path / "head",
+            [*peers, "--stage", "0", *RUN_ID],
+        )
+        nodes.append(head)
+        ids = {json.loads((p.dir / "ready.json").read_text())["peer_id"]: p for p in pubs}
+        # both relays chosen and announced by the tail, and the head training through them
+        _wait(
+            lambda: len(tail.metrics().get("relay", {}).get("mine", [])) == 2,
+            120,
+            "the tail's two relays",
+            *nodes,
+        )
+        _wait(lambda: head.metrics().get("inner_step", 0) >= 10, 180, "10 steps of the NAT'd head", *nodes)
+        t = tail.metrics()
+        assert head.metrics()["connections"][t["peer_id"]] == "relayed"
+        # kill the relay the head tries first (the tail's first choice), and watch the head go on
+        victim = ids[t["relay"]["mine"][0]]
+        dropped, done = head.metrics()["dropped_microbatches"], head.metrics()["microbatches"]
+        victim.proc.kill()
+        t0 = time.monotonic()
+        _wait(
+            lambda: head.metrics()["microbatches"] > done + MAX_INFLIGHT, 30, "the head to go on", head, tail
+        )
+        took = time.monotonic() - t0
+        assert took <= 2 * HEARTBEAT_S + 1.0, f"the head completed microbatches again only {took:.1f}s after"
+        _wait(lambda: len(tail.metrics()["relay"]["mine"]) == 1, 30, "the tail to drop its dead relay", tail)
+        lost = head.metrics()["dropped_microbatches"] - dropped
+        assert lost <= MAX_INFLIGHT, f"{lost} microbatches dropped: more than were in flight"
+        steps = head.metrics()["inner_step"]
+        _wait(
+            lambda: head.metrics()["inner_step"] >= steps + 10,
+            120,
+            "10 more steps through the other relay",
+            head,
+            tail,
+        )
+        assert head.metrics()["connections"][t["peer_id"]] == "relayed"
     finally:
         for n in reversed(nodes):
             n.stop()
