@@ -69,6 +69,11 @@ def test_paths_relay_only_unconnected_nat_peers():
     paths.update(records, connected=set())
     assert paths.via(IDS[1]) == [IDS[5], IDS[6]]  # none connected: try them all
     assert paths.via(IDS[9]) == []  # unknown: as before relays existed
+    # a record missing from one read, or naming no relay for a moment: the relays last seen stay
+    paths.update({IDS[0]: records[IDS[0]], IDS[2]: R("reverse")}, connected=set())
+    assert paths.via(IDS[1]) == [IDS[5], IDS[6]] and paths.via(IDS[2]) == [IDS[5], IDS[6]]
+    paths.update({IDS[1]: R("direct")}, connected=set())  # it is reachable now: dialled
+    assert paths.via(IDS[1]) == []
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ RELAY_HANDLER = "vnode.relay"  # on a relay: "carry this stream to peer t's hand
 RELAYED_HANDLER = "vnode.relayed"  # on a NAT'd node: "this stream comes from peer f, for handler h"
 RELAYS_WANTED = 2  # relays a NAT'd node keeps connections to (one dies: the other still carries)
 HEADER_BYTES = 4096
+MAX_REMEMBERED = 4096  # NAT'd peers whose relays are kept while their record is missing
 
 
 def choose_relays(candidates: Sequence[str], me: str, k: int = RELAYS_WANTED) -> list[str]:
@@ -68,12 +69,19 @@ class Paths:
         self.relay_failures = 0
 
     def update(self, records: Mapping[str, object], connected: set[str]) -> None:
+        """A NAT'd peer's relays as its record names them; a peer whose record is missing this time
+        (a DHT read that came back short while a relay died, say) or names none keeps the relays
+        last seen: dialling a NAT'd peer directly only fails, after a timeout."""
         self.connected = set(connected)
-        self.relays = {
-            p: list(getattr(r, "relays", []))[:MAX_RELAYS]
-            for p, r in records.items()
-            if getattr(r, "reach", "direct") == "reverse"
-        }
+        old, self.relays = self.relays, {}
+        for p, r in records.items():
+            if getattr(r, "reach", "direct") != "reverse":
+                continue
+            named = list(getattr(r, "relays", []))[:MAX_RELAYS]
+            self.relays[p] = named or old.get(p, [])
+        for p, rs in old.items():
+            if p not in records and len(self.relays) < MAX_REMEMBERED:
+                self.relays[p] = rs
 
     def via(self, peer: str) -> list[str]:
         """The relays to try for ``peer``, in order; [] to open the stream directly."""
