@@ -105,6 +105,7 @@ def run_case(
     inflight = ["--max-inflight", str(a.max_inflight)]
     relay_dir, head_dir, tail_dir = out / name / "relay", out / name / "head", out / name / "tail"
     relay_args = [*run, *node, "--stage", "0", "--max-inflight", str(a.relay_head_inflight), "--stages", "2"]
+    relay_args += ["--relay-rate", str(a.relay_rate)] if a.relay_rate else []
     relay = _spawn(topo, topo.public_ns(0), topo.public_addr(0), relay_dir, relay_args)
     procs = [relay]
     try:
@@ -163,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         "--relay-head-inflight", type=int, default=1, help="public peer 0's (default: %(default)s)"
     )
     p.add_argument("--cases", nargs="+", default=["direct", "reversed", "punched", "relayed"])
+    p.add_argument(
+        "--relay-rate", type=float, default=0.0, help="public peer 0's --relay-rate (Mbit/s; 0: none)"
+    )
     p.add_argument("--out", default="runs/nat", help="node logs (default: %(default)s)")
     p.add_argument("--results", default=None, help="append the figures to this JSON list")
     a = p.parse_args(argv)
@@ -179,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         topo.teardown()
     entry = {"rate": a.rate, "model": a.model, "seq_len": a.seq_len, "microbatch": a.microbatch, "rows": rows}
+    entry["relay_rate_mbit"] = a.relay_rate
     print(json.dumps(entry, indent=1))
     if a.results:
         path = Path(a.results)

@@ -1,0 +1,50 @@
+"""The volunteer internet, CI-sized: six nodes (two public; homes behind a port-keeping router, a
+symmetric NAT and a carrier-grade NAT, two layers), home lines shaped and lossy, churn, a relay killed
+and a router's uplink bounced, for two minutes (``bench.volunteer_net``, which runs the 16-node one).
+
+What must hold (each can fail on its own): the swarm trains and is still training at the end; every
+home kind's node trained; no more microbatches dropped than could have been in flight to the killed
+nodes; every stage with replicas committed outer rounds; NAT'd pairs were reached through relays or
+punched connections, not refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_nat import _support_reason
+
+pytestmark = pytest.mark.skipif(bool(reason := _support_reason()), reason=f"needs namespaces + NAT: {reason}")
+
+
+def test_volunteer_internet_ci_sized(tmp_path):
+    from bench import volunteer_net
+    from bench.vnet import leftover
+
+    report = tmp_path / "vnet"
+    rc = volunteer_net.main(
+        [
+            "--public", "2", "--homes", "4", "--kinds", "eim", "sym", "cgnat", "--stages", "2",
+            "--minutes", "2", "--warmup", "15", "--churn-every", "45", "--relay-kill-at", "60",
+            "--bounce-at", "80", "--join-gap", "1", "--sample", "2", "--heartbeat", "1",
+            "--model", "emulate:1024:4:0.94:256:h100", "--seq-len", "32", "--batch-tokens", "256",
+            "--outer-every", "10", "--only", "nat", "--out", str(tmp_path / "runs"), "--report", str(report),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    assert not leftover()
+    r = json.loads(report.with_suffix(".json").read_text())["runs"][0]
+    assert report.with_suffix(".png").stat().st_size > 0
+    assert r["tokens_per_s"] > 0, r
+    assert r["series"][-1][1] > 0 or r["series"][-2][1] > 0, r["series"][-5:]  # still training at the end
+    kinds = [e for e in r["events"] if e["kind"] == "kill"]
+    assert kinds and any(e["kind"] == "relay killed" for e in r["events"]), r["events"]
+    assert r["dropped"] <= r["in_flight_bound"], (r["dropped"], r["in_flight_bound"])
+    # every home kind's node trained (home0 eim, home1 sym, home2 cgnat, home3 eim)
+    trained = r["trained_by_node"]
+    for name in ("home0", "home1", "home2"):
+        assert trained.get(name, 0) > 0, trained
+    for rounds in r["outer_rounds"].values():
+        assert rounds["committed"] > 0, r["outer_rounds"]
+    assert r["connections"].get("relayed", 0) + r["connections"].get("punched", 0) > 0, r["connections"]
