@@ -171,7 +171,8 @@ class Lifecycle:
         kept = await self.reverser.keep({p: records[p].maddrs for p in targets if p in records})
         if self.relayed_in is not None:
             self.relayed_in.relays = set(chosen)
-        mine = [r for r in chosen if r in kept]
+        # announced as soon as chosen: a record without relays would have callers dial us directly
+        mine = [r for r in chosen if r in kept] or chosen
         if mine != self.my_relays:
             log.info("behind NAT: relays %s", " ".join(r[:12] for r in mine) or "none reachable")
             self.my_relays = mine
@@ -190,7 +191,7 @@ class Lifecycle:
             callees |= {p for p in ctx.routes[ctx.index] if p > ctx.peer_id}
             for p in sorted(callees):
                 r = records.get(p)
-                if r is not None and r.reach == "reverse" and r.ready and p not in self.paths.connected:
+                if r is not None and r.reach == "reverse" and r.ready and self.paths.via(p):
                     await puncher.attempt(p)
         except Exception as e:  # the daemon busy: the next beat tries again
             log.info("hole punching failed: %s", e)

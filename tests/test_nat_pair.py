@@ -281,3 +281,52 @@ def test_relay_killed_mid_run(two_relays, tmp_path):
     finally:
         for n in reversed(nodes):
             n.stop()
+
+
+@pytest.fixture
+def one_home():
+    """Two public nodes and one home behind a port-keeping router."""
+    yield from _topology(n_public=2, n_homes=1)
+
+
+def test_nat_node_reconnects_to_a_quiet_peer_after_its_router_reboots(one_home, tmp_path):
+    """A head behind NAT, a public replica of it (the bootstrap) and a public tail; the head's
+    router loses every mapping (uplink bounced) and drops what arrives for them without an answer.
+    The head must connect again to both peers that call it, the replica included, which sends it
+    nothing between outer rounds (tests/test_nat.py bounces a tail whose caller is busy)."""
+    topo = one_home
+    replica = Node(
+        topo, topo.public_ns(0), topo.public_addr(0), tmp_path / "replica",
+        ["--stages", "2", "--stage", "0", "--outer-every", "1000", *BIG, *RUN_ID],
+    )  # fmt: skip
+    nodes = [replica]
+    try:
+        _wait(lambda: (replica.dir / "ready.json").exists(), 60, "the public replica", replica)
+        peer = json.loads((replica.dir / "ready.json").read_text())["peer_id"]
+        peers = ["--peers", f"/ip4/{topo.public_addr(0)}/tcp/{PORT}/p2p/{peer}", *RUN_ID]
+        tail = Node(topo, topo.public_ns(1), topo.public_addr(1), tmp_path / "tail", [*peers, "--stage", "1"])
+        nodes.append(tail)
+        head = Node(topo, topo.home_ns, topo.home_addr, tmp_path / "head", [*peers, "--stage", "0"])
+        nodes.append(head)
+        _wait(lambda: head.metrics().get("inner_step", 0) >= 10, 120, "10 steps of the NAT'd head", *nodes)
+        assert head.metrics()["reverse"]["kept"] == 2  # the replica and the tail both call it
+        topo.bounce_uplink(down_s=0.2)
+        t0 = time.monotonic()
+        _wait(
+            lambda: head.metrics()["reverse"]["redials"] >= 1,
+            30,
+            "the head to see its connections die",
+            *nodes,
+        )
+        # connected to both again, the quiet replica included
+        _wait(
+            lambda: head.metrics()["reverse"]["kept"] == 2 and time.time() - head.metrics()["time"] < 2,
+            30, "the head connected to both peers again", *nodes,
+        )  # fmt: skip
+        took = time.monotonic() - t0
+        assert took <= 4 * HEARTBEAT_S + 2.0, (
+            f"the head reached its quiet replica again only {took:.1f}s after"
+        )
+    finally:
+        for n in reversed(nodes):
+            n.stop()
