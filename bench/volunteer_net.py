@@ -208,6 +208,21 @@ def run_swarm(label: str, net: VolunteerNet, out: Path, a) -> Run:
     return run
 
 
+def in_flight_to(run: Run, event: dict, max_inflight: int) -> int:
+    """The most microbatches that can have been in flight through a killed node: every node of
+    the stage before it holds up to ``max_inflight`` (a head's own when it was a head), read from
+    the last sample before the kill."""
+    before = [s for s in run.samples if s["t"] <= event["t"]]
+    if not before:
+        return max_inflight
+    nodes = before[-1]["nodes"]
+    stage = nodes.get(event.get("node"), {}).get("stage", event.get("stage"))
+    if stage is None or stage == 0:
+        return max_inflight
+    upstream = sum(1 for n in nodes.values() if n["stage"] == stage - 1)
+    return max_inflight * max(1, upstream)
+
+
 def summarize(run: Run, a, warm_s: float) -> dict:
     """The figures of one run (the module docstring)."""
     last = a.stages - 1
@@ -253,13 +268,15 @@ def summarize(run: Run, a, warm_s: float) -> dict:
             trained[name] = max(trained.get(name, 0), n["microbatches"])
     relayed = sum(n["relayed_bytes"] for n in last_seen.values())
     link = sum(n["link_bytes"] for n in last_seen.values())
-    kills = sum(1 for e in run.events if e["kind"] in ("kill", "relay killed"))
+    bound = sum(
+        in_flight_to(run, e, a.max_inflight) for e in run.events if e["kind"] in ("kill", "relay killed")
+    )
     return {
         "label": run.label,
         "tokens_per_s": round(tps, 1),
         "series": [[round(t, 1), round(r, 1)] for t, r in series],
         "dropped": sum(n["dropped"] for n in last_seen.values()),
-        "in_flight_bound": kills * a.max_inflight * max(1, a.stages - 1),
+        "in_flight_bound": bound,
         "outer_rounds": {
             str(k): v for k, v in sorted(rounds.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
         },
