@@ -232,11 +232,7 @@ class Topology:
         return len(found)
 
     def pids(self) -> set[int]:
-        out: set[int] = set()
-        for ns in self.created:
-            p = _run(["ip", "netns", "pids", ns], check=False, timeout=180.0)  # slow under heavy load
-            out |= {int(x) for x in p.stdout.split() if x.strip().isdigit()}
-        return out
+        return namespace_pids(self.created)
 
     def cpu_seconds(self, roots: dict[int, list[int]]) -> dict[str, float]:
         """User + system CPU seconds of every node's process tree (``cpu_by_node``), by command name."""
@@ -587,30 +583,41 @@ class NatTopology:
         return flows
 
     def pids(self) -> set[int]:
-        out: set[int] = set()
-        for ns in self.created:
-            p = _run(["ip", "netns", "pids", ns], check=False, timeout=180.0)
-            out |= {int(x) for x in p.stdout.split() if x.strip().isdigit()}
-        return out
+        return namespace_pids(self.created)
 
     def teardown(self) -> None:
         """End every process inside our namespaces (all started by us), then delete them."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            found = self.pids() - {os.getpid()}
-            for pid in found:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            deadline = time.monotonic() + 5.0
-            while found and time.monotonic() < deadline:
-                time.sleep(0.2)
-                found = self.pids() - {os.getpid()}
-            if not found:
-                break
-        for ns in reversed(self.created):
-            _run(["ip", "netns", "del", ns], check=False)
-        self.created.clear()
+        end_namespaces(self.created)
+
+
+def namespace_pids(namespaces: list[str]) -> set[int]:
+    """The processes inside ``namespaces``."""
+    out: set[int] = set()
+    for ns in namespaces:
+        p = _run(["ip", "netns", "pids", ns], check=False, timeout=180.0)  # slow under heavy load
+        out |= {int(x) for x in p.stdout.split() if x.strip().isdigit()}
+    return out
+
+
+def end_namespaces(namespaces: list[str]) -> None:
+    """End every process inside ``namespaces`` (SIGTERM, then SIGKILL), delete them, and empty the
+    list. Only for namespaces this process made: everything in them is ours."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        found = namespace_pids(namespaces) - {os.getpid()}
+        for pid in found:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 5.0
+        while found and time.monotonic() < deadline:
+            time.sleep(0.2)
+            found = namespace_pids(namespaces) - {os.getpid()}
+        if not found:
+            break
+    for ns in reversed(namespaces):
+        _run(["ip", "netns", "del", ns], check=False)
+    namespaces.clear()
 
 
 def leftover_nat_namespaces() -> list[str]:

@@ -26,7 +26,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from bench.netns import NAT_RULES, _run, nat_rules, tbf_burst_bytes, tc_rate
+from bench.netns import NAT_RULES, _run, end_namespaces, namespace_pids, nat_rules, tbf_burst_bytes, tc_rate
 
 PREFIX = "vvn"  # every namespace this module creates starts with it
 KINDS = ("eim", "sym", "cgnat")
@@ -189,32 +189,11 @@ class VolunteerNet:
         return time.time()
 
     def pids(self) -> set[int]:
-        out: set[int] = set()
-        for ns in self.created:
-            p = _run(["ip", "netns", "pids", ns], check=False, timeout=180.0)
-            out |= {int(x) for x in p.stdout.split() if x.strip().isdigit()}
-        return out
+        return namespace_pids(self.created)
 
     def teardown(self) -> None:
         """End every process inside our namespaces (all started by us), then delete them."""
-        import signal
-
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            found = self.pids() - {os.getpid()}
-            for pid in found:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            deadline = time.monotonic() + 5.0
-            while found and time.monotonic() < deadline:
-                time.sleep(0.2)
-                found = self.pids() - {os.getpid()}
-            if not found:
-                break
-        for ns in reversed(self.created):
-            _run(["ip", "netns", "del", ns], check=False)
-        self.created.clear()
+        end_namespaces(self.created)
 
 
 def leftover() -> list[str]:
