@@ -114,7 +114,7 @@ def sample(run: Run, t0: float, stages: int) -> dict:
         if not x:
             continue
         rounds = x.get("outer_rounds", [])
-        nodes[m.name] = {
+        nodes[m.dir.name] = {  # one incarnation: a replacement is a new volunteer
             "stage": x.get("stage"),
             "ready": bool(x.get("inner_step", 0) > 0 or x.get("microbatches", 0) > 0),
             "trained_tokens": x.get("trained_tokens", 0),
@@ -181,7 +181,9 @@ def run_swarm(label: str, net: VolunteerNet, out: Path, a) -> Run:
             victim.proc.wait(10)
             fresh += 1
             stage = (victim.metrics() or {}).get("stage")
-            run.events.append({"t": round(now - t0, 1), "kind": "kill", "node": victim.name, "stage": stage})
+            run.events.append(
+                {"t": round(now - t0, 1), "kind": "kill", "node": victim.dir.name, "stage": stage}
+            )
             victim.dir = out / label / f"{victim.name}-{fresh}"  # a fresh volunteer: new identity
             _spawn(net, victim, join)
             next_churn = now + a.churn_every
@@ -206,6 +208,19 @@ def run_swarm(label: str, net: VolunteerNet, out: Path, a) -> Run:
             except subprocess.TimeoutExpired:
                 m.proc.kill()
     return run
+
+
+def dropped_in(run: Run, warm_s: float) -> int:
+    """Microbatches dropped after ``warm_s`` (the swarm formed): each node's count at its last
+    reading less its count at its first reading after ``warm_s``."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for s in run.samples:
+        for name, n in s["nodes"].items():
+            if s["t"] >= warm_s:
+                first.setdefault(name, n["dropped"])
+            last[name] = n["dropped"]
+    return sum(max(0, d - first.get(name, 0)) for name, d in last.items())
 
 
 def in_flight_to(run: Run, event: dict, max_inflight: int) -> int:
@@ -275,7 +290,8 @@ def summarize(run: Run, a, warm_s: float) -> dict:
         "label": run.label,
         "tokens_per_s": round(tps, 1),
         "series": [[round(t, 1), round(r, 1)] for t, r in series],
-        "dropped": sum(n["dropped"] for n in last_seen.values()),
+        "dropped": dropped_in(run, warm_s),
+        "dropped_all": sum(n["dropped"] for n in last_seen.values()),
         "in_flight_bound": bound,
         "outer_rounds": {
             str(k): v for k, v in sorted(rounds.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
@@ -350,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     check_nat_support()
     out = Path(a.out)
     kinds = [a.kinds[j % len(a.kinds)] for j in range(a.homes)]
-    results = []
+    results, raw = [], {}
     for label in ("nat", "public"):
         if a.only and a.only != label:
             continue
@@ -364,9 +380,12 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             net.teardown()
         warm = a.join_gap * (a.public + a.homes) + a.warmup
+        raw[label] = run
         results.append(summarize(run, a, warm))
         print(json.dumps({k: v for k, v in results[-1].items() if k not in ("series", "events")}), flush=True)
     entry = {"args": vars(a), "kinds": kinds, "runs": results}
+    for label, run in raw.items():  # every reading, for a second look at what the summary counts
+        (out / label / "samples.json").write_text(json.dumps(run.samples) + "\n")
     if a.report:
         rp = Path(a.report)
         rp.with_suffix(".json").write_text(json.dumps(entry, indent=1) + "\n")

@@ -164,13 +164,14 @@ class Lifecycle:
         addresses their records announce; the peers connected after it."""
         ctx = self.ctx
         callers = must_call_me(ctx.routes, ctx.index, ctx.peer_id, ctx.cfg.circuit, ctx.run.tied)
-        chosen = routes.choose_relays(relays_of(ctx.routes, ctx.peer_id), ctx.peer_id)
+        candidates = relays_of(ctx.routes, ctx.peer_id)
+        chosen = routes.choose_relays(candidates, ctx.peer_id)
         # a caller behind NAT cannot be dialled: it reaches us through our relays instead
         records = {p: r for stage in ctx.routes for p, r in stage.items()}
         targets = {p for p in callers if p in records and records[p].reach == "direct"} | set(chosen)
         kept = await self.reverser.keep({p: records[p].maddrs for p in targets if p in records})
-        if self.relayed_in is not None:
-            self.relayed_in.relays = set(chosen)
+        if self.relayed_in is not None:  # accepted from any relay of the run (RelayedIn says why)
+            self.relayed_in.relays = set(candidates)
         # announced as soon as chosen: a record without relays would have callers dial us directly
         mine = [r for r in chosen if r in kept] or chosen
         if mine != self.my_relays:

@@ -178,7 +178,7 @@ def test_two_nat_replicas_average_outer_rounds(routers, tmp_path):
                 for n in nodes[1:]
             )
 
-        _wait(lambda: together() >= 2, 240, "two outer rounds of the NAT'd replicas together", *nodes)
+        _wait(lambda: together() >= 1, 240, "an outer round of the NAT'd replicas together", *nodes)
         a, b = (n.metrics() for n in nodes[1:])
         assert a["reachability"] == b["reachability"] == "nat"
         # both ends say so: the caller dialled it, the callee carries it to its p2pd

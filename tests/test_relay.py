@@ -11,7 +11,7 @@ import pytest
 
 from node.net.paths import Paths, choose_relays, connection_kind, parse_header, relay_header
 from node.net.punch import as_maddr
-from node.net.relay import splice
+from node.net.relay import splice, until_cancelled
 from node.net.serve import NotAllowed
 from node.net.wire import Wire
 from node.swarm.routing import RELAYED_WEIGHT, REVERSE_WEIGHT, choose_peer, peer_weights, relays_of
@@ -174,3 +174,19 @@ def test_splice_carries_both_ways_and_counts():
     assert request == (bytes(range(256)) * 1172)[:300_000]
     assert reply == b"reply:300000"
     assert counted == 300_000 + len(reply)
+
+
+def test_a_cancelled_handler_ends_quietly():
+    """hivemind logs a handler task that ended cancelled as an error with a traceback (seen once per
+    open relayed stream when a relay shut down); wrapped, the task ends normally."""
+
+    async def main():
+        bare = asyncio.create_task(asyncio.sleep(10))
+        wrapped = asyncio.create_task(until_cancelled(asyncio.sleep(10)))
+        await asyncio.sleep(0)
+        bare.cancel()
+        wrapped.cancel()
+        await asyncio.gather(bare, wrapped, return_exceptions=True)
+        return bare.cancelled(), wrapped.cancelled(), wrapped.exception()
+
+    assert asyncio.run(main()) == (True, False, None)

@@ -41,7 +41,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from node.net import rpc
 from node.net.caps import Limits
 from node.net.reach import tcp_target
-from node.net.relay import splice
+from node.net.relay import splice, until_cancelled
 from node.net.serve import Stream, serve
 from node.net.wire import Wire
 from protocol.frames import Frame, MalformedFrame, decode_frame
@@ -128,9 +128,11 @@ class Puncher:
                 meta = {}
             await s.send(Frame(kind="punch", run_id=self.run_id, meta=meta))
 
-        await serve(
-            stream_info, reader, writer, self.wire, body, run_id=self.run_id, timeout=self.timeout,
-            what="punch request", caps=self.wire.caps(PUNCH_HANDLER, LIMITS), strikes=False,
+        await until_cancelled(
+            serve(
+                stream_info, reader, writer, self.wire, body, run_id=self.run_id, timeout=self.timeout,
+                what="punch request", caps=self.wire.caps(PUNCH_HANDLER, LIMITS), strikes=False,
+            )
         )  # fmt: skip
 
     async def _prime_and_splice(self, target: tuple[str, int], caller: str) -> None:

@@ -21,9 +21,9 @@ circuit to renew, and no frame can be cut by a limit. The three roles:
   on the connection B keeps to it (B dials its relays, as it dials the peers that call it), names A
   and the handler, waits for B's yes, answers A, and then copies bytes both ways until both ends
   close, counting them (``relayed_bytes``), under an optional rate cap (``--relay-rate``);
-* **callee** (B; ``RelayedIn``): accepts relayed streams only from the relays it chose, and hands
+* **callee** (B; ``RelayedIn``): accepts relayed streams only from the run's relays, and hands
   the rest of the stream to its own handler as if A had opened it (the handler sees A's peer id,
-  so every sender check holds). B trusts its relay to name the sender truly: a relay that lies can
+  so every sender check holds). B trusts a relay to name the sender truly: a relay that lies can
   send frames in another peer's name (frames of a keyed swarm are still checked against the key).
 
 ``node.net.paths`` decides how a stream to a peer is opened (directly when a connection exists or
@@ -57,6 +57,14 @@ CHUNK = 1 << 16
 # stage to serve; a pipeline keeps a few frames in flight per peer (--max-inflight 4, BULK_SLOTS 2)
 LIMITS = Limits(per_peer=16, total=128, rate=200.0, burst=64)
 PIPE_IDLE_S = 4 * IDLE_S  # a relayed stream that moves no byte either way for this long is closed
+
+
+async def until_cancelled(work) -> None:
+    """Await a handler's work; a cancellation (the node shutting down under a relayed stream that
+    is still open) ends it quietly: hivemind logs a handler task that ended cancelled as an error,
+    with a traceback, once for every stream."""
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
 
 
 class RateCap:
@@ -145,9 +153,11 @@ class RelayServer:
         }
 
     async def handle(self, stream_info, reader, writer) -> None:
-        await serve(
-            stream_info, reader, writer, self.wire, self._body, run_id=self.run_id, timeout=self.timeout,
-            what="relay request", caps=self.wire.caps(RELAY_HANDLER, LIMITS), strikes=False,
+        await until_cancelled(
+            serve(
+                stream_info, reader, writer, self.wire, self._body, run_id=self.run_id, timeout=self.timeout,
+                what="relay request", caps=self.wire.caps(RELAY_HANDLER, LIMITS), strikes=False,
+            )
         )  # fmt: skip
 
     async def _body(self, s: Stream) -> None:
@@ -187,7 +197,10 @@ class RelayedIn:
 
     def __init__(self, p2p, wire: Wire, run_id: str, timeout: float, relays: set[str]) -> None:
         self.p2p, self.wire, self.run_id, self.timeout = p2p, wire, run_id, timeout
-        self.relays = relays  # the relays this node chose (updated in place by its lifecycle)
+        # the relays it accepts relayed streams from: every relaying node of the run (its lifecycle
+        # updates it each beat). Not only the two it chose and announced: a caller reads that choice
+        # from a record up to a few beats old, and a refusal there drops a frame for nothing
+        self.relays = relays
         self.accepted = 0
 
     async def handle(self, stream_info, reader, writer) -> None:
@@ -197,7 +210,7 @@ class RelayedIn:
         async def body(s: Stream) -> None:
             nonlocal caller, handler
             if relay not in self.relays:
-                raise NotAllowed(f"{relay[:12]} is not one of this node's relays")
+                raise NotAllowed(f"{relay[:12]} is not a relay of this run")
             caller, handler = parse_header(
                 decode_frame(await s.receive(HEADER_BYTES), run_id=self.run_id), "f"
             )
@@ -212,9 +225,11 @@ class RelayedIn:
             info = StreamInfo(PeerID.from_base58(caller), stream_info.addr, handler)
             await local_handlers(self.p2p)[handler](info, reader, writer)
 
-        await serve(
-            stream_info, reader, writer, self.wire, body_then_handler, run_id=self.run_id,
-            timeout=self.timeout, what="relayed stream", strikes=False,
+        await until_cancelled(
+            serve(
+                stream_info, reader, writer, self.wire, body_then_handler, run_id=self.run_id,
+                timeout=self.timeout, what="relayed stream", strikes=False,
+            )
         )  # fmt: skip
 
 
@@ -225,4 +240,4 @@ def local_handlers(p2p) -> Mapping:
     return getattr(control, "handlers", None) or {}
 
 
-__all__ = ["RateCap", "RelayServer", "RelayedIn", "local_handlers", "splice"]
+__all__ = ["RateCap", "RelayServer", "RelayedIn", "local_handlers", "splice", "until_cancelled"]
