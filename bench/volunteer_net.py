@@ -37,6 +37,7 @@ from bench.vnet import KINDS, VolunteerNet
 
 REPO = Path(__file__).resolve().parents[1]
 PORT = 31337
+SMOOTH = 12  # samples in the plot's moving mean (a minute at the default --sample 5)
 
 
 @dataclass
@@ -325,7 +326,13 @@ def plot(results: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     for r in results:
         ts = [x[0] for x in r["series"]]
-        ax.plot(ts, [x[1] for x in r["series"]], label=f"{r['label']} ({r['tokens_per_s']:.0f} tok/s)")
+        raw = [x[1] for x in r["series"]]
+        # a tail's count moves an inner step (a batch of tokens) at a time: a minute's mean reads better
+        smooth = [
+            sum(raw[max(0, i - SMOOTH + 1) : i + 1]) / len(raw[max(0, i - SMOOTH + 1) : i + 1])
+            for i in range(len(raw))
+        ]
+        ax.plot(ts, smooth, label=f"{r['label']} ({r['tokens_per_s']:.0f} tok/s, {SMOOTH}-sample mean)")
         for e in r["events"]:
             if e["kind"] != "all started":
                 ax.axvline(e["t"], color="grey", alpha=0.2, lw=0.8)
