@@ -475,14 +475,10 @@ class NatTopology:
         return ["ip", "netns", "exec", ns]
 
     def _add(self, name: str) -> str:
-        ns = self.ns(name)
-        _run(["ip", "netns", "add", ns])
-        self.created.append(ns)
-        _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-        return ns
+        return add_namespace(self.ns(name), self.created)
 
     def _veth(self, ns_a: str, dev_a: str, ns_b: str, dev_b: str) -> None:
-        _run(["ip", "-n", ns_a, "link", "add", dev_a, "type", "veth", "peer", "name", dev_b, "netns", ns_b])
+        add_veth(ns_a, dev_a, ns_b, dev_b)
 
     def _shape(self, ns: str, dev: str) -> None:
         if self.rate_bps:
@@ -588,6 +584,19 @@ class NatTopology:
     def teardown(self) -> None:
         """End every process inside our namespaces (all started by us), then delete them."""
         end_namespaces(self.created)
+
+
+def add_namespace(ns: str, created: list[str]) -> str:
+    """Make namespace ``ns`` with its loopback up, and note it in ``created`` (for teardown)."""
+    _run(["ip", "netns", "add", ns])
+    created.append(ns)
+    _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+    return ns
+
+
+def add_veth(ns_a: str, dev_a: str, ns_b: str, dev_b: str) -> None:
+    """A veth pair between two namespaces (``dev_a`` in ``ns_a``, ``dev_b`` in ``ns_b``), down."""
+    _run(["ip", "-n", ns_a, "link", "add", dev_a, "type", "veth", "peer", "name", dev_b, "netns", ns_b])
 
 
 def namespace_pids(namespaces: list[str]) -> set[int]:

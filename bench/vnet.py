@@ -26,7 +26,17 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from bench.netns import NAT_RULES, _run, end_namespaces, namespace_pids, nat_rules, tbf_burst_bytes, tc_rate
+from bench.netns import (
+    NAT_RULES,
+    _run,
+    add_namespace,
+    add_veth,
+    end_namespaces,
+    namespace_pids,
+    nat_rules,
+    tbf_burst_bytes,
+    tc_rate,
+)
 
 PREFIX = "vvn"  # every namespace this module creates starts with it
 KINDS = ("eim", "sym", "cgnat")
@@ -104,14 +114,10 @@ class VolunteerNet:
 
     # ------------------------------------------------------------------ build
     def _add(self, name: str) -> str:
-        ns = self.ns(name)
-        _run(["ip", "netns", "add", ns])
-        self.created.append(ns)
-        _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-        return ns
+        return add_namespace(self.ns(name), self.created)
 
     def _link(self, ns_a: str, dev_a: str, ns_b: str, dev_b: str) -> None:
-        _run(["ip", "-n", ns_a, "link", "add", dev_a, "type", "veth", "peer", "name", dev_b, "netns", ns_b])
+        add_veth(ns_a, dev_a, ns_b, dev_b)
         _run(["ip", "-n", ns_a, "link", "set", dev_a, "up"])
         _run(["ip", "-n", ns_b, "link", "set", dev_b, "up"])
 
@@ -186,6 +192,14 @@ class VolunteerNet:
         _run(["ip", "-n", self.gw_ns(j), "link", "set", "up0", "up"])
         if self.kinds[j] == "cgnat":
             _run(["ip", "-n", self.gw_ns(j), "route", "replace", "default", "via", f"100.64.{self.net}.1"])
+        return time.time()
+
+    def bounce_public(self, i: int, down_s: float = 0.5) -> float:
+        """Public node ``i``'s own line down and up (the comparison run's stand-in for a home
+        router's uplink); the wall time it was up again."""
+        _run(["ip", "-n", self.public_ns(i), "link", "set", "eth0", "down"])
+        time.sleep(down_s)
+        _run(["ip", "-n", self.public_ns(i), "link", "set", "eth0", "up"])
         return time.time()
 
     def pids(self) -> set[int]:

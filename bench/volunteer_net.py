@@ -148,18 +148,20 @@ def swarm_tokens(s: dict, last: int) -> int:
 
 
 def run_swarm(label: str, net: VolunteerNet, out: Path, a) -> Run:
+    """One run: ``a.public`` public nodes, and ``a.homes`` home nodes, behind their NATs when
+    ``net`` has homes, else on the public nodes after the first ``a.public`` (the comparison)."""
     run = Run(label)
     rng = random.Random(a.seed)
     base = node_args(a)
-    n_homes = len(net.kinds)
+    behind_nat = bool(net.kinds)
     pubs = [
         Member(f"pub{i}", net.public_ns(i), net.public_addr(i), out / label / f"pub{i}", None)
-        for i in range(net.n_public)
+        for i in range(a.public)
     ]
-    homes = [
-        Member(f"home{j}", net.home_ns(j), net.home_addr(j), out / label / f"home{j}", j)
-        for j in range(n_homes)
-    ]
+    place = (lambda j: (net.home_ns(j), net.home_addr(j))) if behind_nat else (
+        lambda j: (net.public_ns(a.public + j), net.public_addr(a.public + j))
+    )  # fmt: skip
+    homes = [Member(f"home{j}", *place(j), out / label / f"home{j}", j) for j in range(a.homes)]
     run.members = [*pubs, *homes]
     t0 = time.monotonic()
     _spawn(net, pubs[0], [*base, "--stages", str(a.stages), "--stage", "0"])
@@ -192,8 +194,11 @@ def run_swarm(label: str, net: VolunteerNet, out: Path, a) -> Run:
             pubs[1].proc.kill()
             relay_killed = True
             run.events.append({"t": round(now - t0, 1), "kind": "relay killed", "node": "pub1"})
-        if not bounced and net.kinds and now - start >= a.bounce_at:
-            net.bounce_uplink(0)
+        if not bounced and now - start >= a.bounce_at:  # home 0's router, or its own line
+            if behind_nat:
+                net.bounce_uplink(0)
+            else:
+                net.bounce_public(a.public)
             bounced = True
             run.events.append({"t": round(now - t0, 1), "kind": "uplink bounced", "node": "home0"})
         sample(run, t0, a.stages)
@@ -383,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             net = VolunteerNet(a.public + a.homes, [], seed=a.seed, public_lines=lines)
         try:
             net.build()
-            run = run_swarm(label, net, out, a) if label == "nat" else run_public(net, out, a)
+            run = run_swarm(label, net, out, a)
         finally:
             net.teardown()
         warm = a.join_gap * (a.public + a.homes) + a.warmup
@@ -398,30 +403,6 @@ def main(argv: list[str] | None = None) -> int:
         rp.with_suffix(".json").write_text(json.dumps(entry, indent=1) + "\n")
         plot(results, rp.with_suffix(".png"))
     return 0
-
-
-def run_public(net: VolunteerNet, out: Path, a) -> Run:
-    """The comparison: ``run_swarm`` with the homes' nodes on public nodes (no NAT), the same
-    churn (a killed "home" node is one of those)."""
-    homes = a.homes
-    shadow = VolunteerNet.__new__(VolunteerNet)
-    shadow.__dict__.update(net.__dict__)
-    shadow.n_public = a.public
-    shadow.kinds = ["eim"] * homes  # names only: each "home" j is public node public + j
-    shadow.home_ns = lambda j: net.public_ns(a.public + j)  # type: ignore[method-assign]
-    shadow.home_addr = lambda j: net.public_addr(a.public + j)  # type: ignore[method-assign]
-    shadow.bounce_uplink = lambda j, down_s=0.5: _bounce_public(net, a.public + j, down_s)  # type: ignore[method-assign]
-    return run_swarm("public", shadow, out, a)
-
-
-def _bounce_public(net: VolunteerNet, i: int, down_s: float) -> float:
-    from bench.netns import _run
-
-    _run(["ip", "-n", net.public_ns(i), "link", "set", "eth0", "down"])
-    time.sleep(down_s)
-    _run(["ip", "-n", net.public_ns(i), "link", "set", "eth0", "up"])
-    _run(["ip", "-n", net.public_ns(i), "addr", "replace", f"{net.public_addr(i)}/24", "dev", "eth0"])
-    return time.time()
 
 
 if __name__ == "__main__":

@@ -229,7 +229,8 @@ class Lifecycle:
     async def reverse_loop(self) -> None:
         """``keep_reversed`` every half heartbeat (node.swarm.reverse says why), on the routes the
         heartbeat refreshed (a loop of its own: a dead connection's probe and dial must not hold
-        the heartbeat up). Idle while the node is reachable (a re-check may change that)."""
+        the heartbeat up), then the paths to peers (``refresh_paths``), for every node. Reversal
+        is idle while the node is reachable (a re-check may change that)."""
         ctx = self.ctx
         while not ctx.stop.is_set():
             if self.reverser is not None:

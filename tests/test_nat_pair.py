@@ -63,6 +63,16 @@ def routers():
     yield from _topology()
 
 
+def _peer_id(node: Node) -> str:
+    return json.loads((node.dir / "ready.json").read_text())["peer_id"]
+
+
+def _bootstrap(node: Node, host: str) -> list[str]:
+    """``--peers`` for a joiner: ``node`` (listening at ``host``) once it is ready."""
+    _wait(lambda: (node.dir / "ready.json").exists(), 60, f"{node.dir.name} to be ready", node)
+    return ["--peers", f"/ip4/{host}/tcp/{PORT}/p2p/{_peer_id(node)}"]
+
+
 def _pair(topo, tmp_path) -> list[Node]:
     """The public node, then the NAT'd tail (stage 1), then the NAT'd head (stage 0); returns them
     once the head made 20 steps (it can only make them with the tail)."""
@@ -75,9 +85,7 @@ def _pair(topo, tmp_path) -> list[Node]:
     )
     nodes = [pub]
     try:
-        _wait(lambda: (pub.dir / "ready.json").exists(), 60, "the public node", pub)
-        peer = json.loads((pub.dir / "ready.json").read_text())["peer_id"]
-        peers = ["--peers", f"/ip4/{topo.public_addr(0)}/tcp/{PORT}/p2p/{peer}"]
+        peers = _bootstrap(pub, topo.public_addr(0))
         tail = Node(
             topo,
             topo.home_ns_of(1),
@@ -165,9 +173,7 @@ def test_two_nat_replicas_average_outer_rounds(routers, tmp_path):
     )  # fmt: skip
     nodes = [tail]
     try:
-        _wait(lambda: (tail.dir / "ready.json").exists(), 60, "the public tail", tail)
-        peer = json.loads((tail.dir / "ready.json").read_text())["peer_id"]
-        peers = ["--peers", f"/ip4/{routers.public_addr(0)}/tcp/{PORT}/p2p/{peer}", "--stage", "0", *RUN_ID]
+        peers = [*_bootstrap(tail, routers.public_addr(0)), "--stage", "0", *RUN_ID]
         for j in (0, 1):
             nodes.append(
                 Node(routers, routers.home_ns_of(j), routers.home_addr_of(j), tmp_path / f"h{j}", peers)
@@ -214,9 +220,7 @@ def test_relay_killed_mid_run(two_relays, tmp_path):
     )
     pubs = [pub0]
     try:
-        _wait(lambda: (pub0.dir / "ready.json").exists(), 60, "public node 0", pub0)
-        first = json.loads((pub0.dir / "ready.json").read_text())["peer_id"]
-        peers = ["--peers", f"/ip4/{topo.public_addr(0)}/tcp/{PORT}/p2p/{first}"]
+        peers = _bootstrap(pub0, topo.public_addr(0))
         pub1 = Node(
             topo, topo.public_ns(1), topo.public_addr(1), tmp_path / "pub1", [*peers, "--stage", "0", *RUN_ID]
         )
@@ -244,7 +248,7 @@ def test_relay_killed_mid_run(two_relays, tmp_path):
             [*peers, "--stage", "0", *RUN_ID],
         )
         nodes.append(head)
-        ids = {json.loads((p.dir / "ready.json").read_text())["peer_id"]: p for p in pubs}
+        ids = {_peer_id(p): p for p in pubs}
         # both relays chosen and announced by the tail, and the head training through them
         _wait(
             lambda: len(tail.metrics().get("relay", {}).get("mine", [])) == 2,
@@ -306,9 +310,7 @@ def test_nat_node_reconnects_to_a_quiet_peer_after_its_router_reboots(one_home, 
     )  # fmt: skip
     nodes = [replica]
     try:
-        _wait(lambda: (replica.dir / "ready.json").exists(), 60, "the public replica", replica)
-        peer = json.loads((replica.dir / "ready.json").read_text())["peer_id"]
-        peers = ["--peers", f"/ip4/{topo.public_addr(0)}/tcp/{PORT}/p2p/{peer}", *RUN_ID]
+        peers = [*_bootstrap(replica, topo.public_addr(0)), *RUN_ID]
         tail = Node(topo, topo.public_ns(1), topo.public_addr(1), tmp_path / "tail", [*peers, "--stage", "1"])
         nodes.append(tail)
         head = Node(topo, topo.home_ns, topo.home_addr, tmp_path / "head", [*peers, "--stage", "0"])
@@ -329,9 +331,7 @@ def test_nat_node_reconnects_to_a_quiet_peer_after_its_router_reboots(one_home, 
             30, "the head connected to both peers again", *nodes,
         )  # fmt: skip
         took = time.monotonic() - t0
-        assert took <= 4 * BEAT_S + 2.0, (
-            f"the head reached its quiet replica again only {took:.1f}s after"
-        )
+        assert took <= 4 * BEAT_S + 2.0, f"the head reached its quiet replica again only {took:.1f}s after"
     finally:
         for n in reversed(nodes):
             n.stop()

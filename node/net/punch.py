@@ -58,11 +58,6 @@ QUESTION_BYTES = 1024
 LIMITS = Limits(per_peer=2, total=8, rate=1.0, burst=8)
 
 
-def host_port(maddr: str) -> tuple[str, int] | None:
-    """(host, port) of a /ip4/HOST/tcp/PORT multiaddr (anything after it ignored)."""
-    return tcp_target(str(maddr))
-
-
 def as_maddr(addr: str) -> str:
     """ "HOST:PORT" -> /ip4/HOST/tcp/PORT (MalformedFrame for anything else)."""
     host, _, port = addr.rpartition(":")
@@ -115,10 +110,10 @@ class Puncher:
             q = decode_frame(await s.receive(QUESTION_BYTES), run_id=self.run_id)
             op = q.meta.get("op")
             if op == "seen":  # the address this stream's connection comes from
-                seen = host_port(str(stream_info.addr))
+                seen = tcp_target(str(stream_info.addr))
                 meta = {"a": f"{seen[0]}:{seen[1]}"} if seen else {}
             elif op == "prime" and self.public:
-                target = host_port(as_maddr(str(q.meta.get("a", ""))))
+                target = tcp_target(as_maddr(str(q.meta.get("a", ""))))
                 task = asyncio.create_task(self._prime_and_splice(target, s.peer))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
