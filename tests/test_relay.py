@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from node.net.paths import Paths, choose_relays, connection_kind, parse_header, relay_header
+from node.net.paths import RELAY_DOWN_S, Paths, choose_relays, connection_kind, parse_header, relay_header
 from node.net.punch import as_maddr
 from node.net.relay import splice, until_cancelled
 from node.net.serve import NotAllowed
@@ -65,7 +65,18 @@ def test_paths_relay_only_unconnected_nat_peers():
     paths.update(records, connected={IDS[2], IDS[6]})
     assert paths.via(IDS[0]) == []  # reachable: dialled
     assert paths.via(IDS[2]) == []  # behind NAT but connected (it dialled us, or a punch)
-    assert paths.via(IDS[1]) == [IDS[6]]  # the relay we are connected to first
+    assert paths.via(IDS[1]) == [IDS[6], IDS[5]]  # the relay we are connected to first
+    # a relay that could not be reached goes last for a while, whatever the connection list says
+    paths.relay_down(IDS[6], now=100.0)
+    assert paths.via(IDS[1], now=101.0) == [IDS[5], IDS[6]]
+    paths.connected.add(IDS[6])  # the daemon still lists its dead connection at the next refresh
+    assert paths.via(IDS[1], now=101.0) == [IDS[5], IDS[6]]
+    assert paths.via(IDS[1], now=100.0 + RELAY_DOWN_S + 1) == [IDS[6], IDS[5]]  # then tried first again
+    paths.connected.clear()
+    paths.relay_down(IDS[5], now=200.0)
+    assert paths.via(IDS[1], now=201.0) == [IDS[6], IDS[5]]
+    paths.relay_up(IDS[5])  # a stream opened through it: the record's order again
+    assert paths.via(IDS[1], now=201.0) == [IDS[5], IDS[6]]
     paths.update(records, connected=set())
     assert paths.via(IDS[1]) == [IDS[5], IDS[6]]  # none connected: try them all
     assert paths.via(IDS[9]) == []  # unknown: as before relays existed

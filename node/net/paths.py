@@ -5,6 +5,7 @@ header, which the stream opener ``node.net.rpc`` needs without the relay's serve
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 from hivemind.p2p import PeerID
@@ -18,6 +19,7 @@ RELAY_HANDLER = "vnode.relay"  # on a relay: "carry this stream to peer t's hand
 RELAYED_HANDLER = "vnode.relayed"  # on a NAT'd node: "this stream comes from peer f, for handler h"
 RELAYS_WANTED = 2  # relays a NAT'd node keeps connections to (one dies: the other still carries)
 HEADER_BYTES = 4096
+RELAY_DOWN_S = 30.0  # a relay that could not be reached is tried last for this long
 MAX_REMEMBERED = 4096  # NAT'd peers whose relays are kept while their record is missing
 
 
@@ -67,6 +69,7 @@ class Paths:
         self.connected: set[str] = set()
         self.relayed_streams = 0  # streams this node opened through a relay
         self.relay_failures = 0
+        self.down: dict[str, float] = {}  # relay -> when a stream could last not be opened to it
 
     def update(self, records: Mapping[str, object], connected: set[str]) -> None:
         """A NAT'd peer's relays as its record names them; a peer whose record is missing this time
@@ -83,11 +86,29 @@ class Paths:
             if p not in records and len(self.relays) < MAX_REMEMBERED:
                 self.relays[p] = rs
 
-    def via(self, peer: str) -> list[str]:
+    def via(self, peer: str, now: float | None = None) -> list[str]:
         """The relays to try for ``peer``, in order; [] to open the stream directly."""
         if peer in self.connected or peer not in self.relays:
             return []
-        return [r for r in self.relays[peer] if r in self.connected] or self.relays[peer]
+        now = time.monotonic() if now is None else now
+        down = {r for r, t in self.down.items() if now - t < RELAY_DOWN_S}
+        return relay_order(self.relays[peer], self.connected, down)
+
+    def relay_down(self, relay: str, now: float | None = None) -> None:
+        """A stream to ``relay`` could not be opened: try it last until it answers again. Until the
+        next refresh, the connection list may still name it (a killed relay's connection lingers
+        in the daemon); dialling it first would cost every stream a dial timeout."""
+        self.down[relay] = time.monotonic() if now is None else now
+        self.connected.discard(relay)
+
+    def relay_up(self, relay: str) -> None:
+        self.down.pop(relay, None)
+
+
+def relay_order(relays: Sequence[str], connected: set[str], down: set[str]) -> list[str]:
+    """Every relay, best first: ones this node holds a connection to, then ones it would dial, and
+    ones that failed a moment ago last (still tried: a failure may have been the relay's hiccup)."""
+    return sorted(relays, key=lambda r: (r in down, r not in connected))
 
 
 def connection_kind(me_nat: bool, peer_reach: str, connected: bool, punched: bool, relayed: bool) -> str:

@@ -53,7 +53,11 @@ async def open_stream(p2p, peer: str, handler: str, timeout: float, direct: bool
 async def open_relayed(p2p, paths: routes.Paths, relay: str, peer: str, handler: str, timeout: float):
     """(reader, writer) of a stream to ``peer``'s ``handler`` carried by ``relay``; raises
     ``FrameError`` if the relay refused, ``PeerUnreachable`` if the relay cannot be reached."""
-    r, w = await open_stream(p2p, relay, routes.RELAY_HANDLER, timeout, direct=True)
+    try:
+        r, w = await open_stream(p2p, relay, routes.RELAY_HANDLER, timeout, direct=True)
+    except PeerUnreachable:
+        paths.relay_down(relay)
+        raise
     try:
         await paths.wire.send(
             w, encode_frame(routes.relay_header(routes.RELAY_HANDLER, paths.run_id, peer, handler)), timeout
@@ -66,6 +70,7 @@ async def open_relayed(p2p, paths: routes.Paths, relay: str, peer: str, handler:
         close_quietly(w)
         raise FrameError(str(ack.meta.get("message", "relay refused")))
     paths.relayed_streams += 1
+    paths.relay_up(relay)
     return r, w
 
 

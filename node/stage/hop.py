@@ -176,6 +176,8 @@ class HopClient:
         while failures < 2:
             relayed = routes.is_relayed(getattr(ctx, "p2p", None))  # a test double may have none
             peer = choose_peer(ctx.routes[nxt], ctx.cfg.circuit, tried, self.rng, relayed)
+            if peer is None and again is not None:  # the one reached, again, before a DHT read
+                peer, again = again, None
             if peer is None:
                 await self.refresh_routes()
                 peer = choose_peer(ctx.routes[nxt], ctx.cfg.circuit, tried, self.rng, relayed)
@@ -184,8 +186,6 @@ class HopClient:
                 wait = min(2 * wait, BUSY_RETRY_S[1])
                 tried.clear()  # every replica again: the busy ones are alive
                 continue
-            if peer is None and again is not None:
-                peer, again = again, None
             if peer is None:
                 if last is not None and last.busy:
                     raise last
@@ -199,7 +199,12 @@ class HopClient:
                     log.debug("hop to stage %d: %s", nxt, e)
                     continue
                 log.info("hop to stage %d failed: %s", nxt, e)
-                ctx.routes[nxt].pop(peer, None)  # stop choosing it until it heartbeats again
+                if not (e.reached and relayed(peer)):
+                    # stop choosing it until it heartbeats again. Not a relayed peer that was
+                    # reached: its relay broke the stream, and the peer's other relays still carry;
+                    # with its route gone every hop would wait on a DHT read (seconds while the dead
+                    # relay was one of the DHT's peers: tests/test_nat_pair.py once stalled 4 s)
+                    ctx.routes[nxt].pop(peer, None)
                 again = peer if e.reached else None
                 failures += 1
                 if not e.retry:
