@@ -27,6 +27,7 @@ _CODEC_FLAGS = {
 # bench/harness.py pins --mask-rate 0.95 on every node's command line whatever the codec
 _CODEC_VALUES = {
     "mask_rate": ("mask",),
+    "link": ("lowrank",),
     "pca_dtype": ("pca", "lowrank"),
     **{
         f"lowrank_{s}": ("lowrank",)
@@ -447,16 +448,16 @@ def resolve_defaults(args: argparse.Namespace) -> None:
 
         # quiet: the node warns once about --device cuda without CUDA, when it picks its device
         args.microbatch_tokens = default_microbatch_tokens(pick_device(args.device, quiet=True))
-    from node.stage.links import lowrank_layout
+    from node.stage.links import LAYOUT_FLAGS, lowrank_layout
 
-    # by the frames it sends; another codec ignores the layout (its flags stay at their defaults)
-    layout = lowrank_layout(args.microbatch_tokens) if args.codec == "lowrank" else {}
-    # a k or a step the user gave wins over the resolved tiers
-    if any(n in given(args) for n in (*_TIERED_AWAY, "lowrank_step")):
-        layout["lowrank_tiers"] = ""
-    for name, value in layout.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    # by the frames it sends, and the flags the user gave win; another codec ignores the layout
+    # (its flags stay at their defaults)
+    if args.codec != "lowrank":
+        return
+    asked = (*LAYOUT_FLAGS, "lowrank_backward_bits", "pca_dtype", "lowrank_basis")
+    mine = {n: getattr(args, n) for n in asked if n in given(args)}
+    for name, value in lowrank_layout(args.microbatch_tokens, args.link, mine).items():
+        setattr(args, name, value)  # "link" too: auto becomes the layout's name
 
 
 def main(argv: list[str] | None = None) -> int:

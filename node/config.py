@@ -245,6 +245,16 @@ class NodeConfig:
         choices=("dense", "mask", "pca", "lowrank", "topk", "int8", "int4", "bottleneck", "subspace"),
         group=RUN,
     )
+    link: str = opt(
+        "auto",
+        help="lowrank codec: the link layout, for the lowrank flags left unset: stepped (~20x below dense "
+        "at 2048-token frames: --codec-k 112 --lowrank-k-backward 128 --lowrank-step 1 "
+        "--lowrank-basis-step 1 --lowrank-first-gain 8 --lowrank-entropy on --lowrank-repeats on), "
+        "tiered (24x8,88x4 tiers, ~10x), plain (80 directions at 8 bits); auto = stepped with "
+        "--microbatch-tokens >= 2048, else plain (default: %(default)s)",
+        choices=("auto", "stepped", "tiered", "plain"),
+        group=RUN,
+    )  # node.stage.links.pick_link
     wire_dtype: str = opt(
         "bfloat16",
         help="dtype of dense link payloads (default: %(default)s)",

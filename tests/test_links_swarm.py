@@ -48,9 +48,14 @@ def links_tmp(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def default_run(links_tmp):
-    # no --codec: the default a GPU starter gets, microbatches packed to 2048 tokens, so the long-frame
-    # lowrank layout (node.stage.links.lowrank_layout: tiers 24x8,88x4, position 0 apart)
+    # no --codec: the default a GPU starter gets, microbatches packed to 2048 tokens, so the stepped
+    # lowrank link (node.stage.links.pick_link)
     return _swarm(links_tmp, "default", "--microbatch-tokens", "2048", codec=None)
+
+
+@pytest.fixture(scope="module")
+def tiered_run(links_tmp):
+    return _swarm(links_tmp, "tiered", "--microbatch-tokens", "2048", "--link", "tiered", codec=None)
 
 
 @pytest.fixture(scope="module")
@@ -93,22 +98,46 @@ def test_m95_sends_at_most_a_nineteenth_of_dense(mask_run):
         assert 64 <= mask[key] < 64 + 8
 
 
-def test_default_swarm_trains_and_counts_what_the_benchmark_counts(default_run):
-    """The default link in a real swarm: loss falls, and each direction's measured bytes per token
-    are the benchmark's accounting (bench/quality.py: the codec's frame bytes over the frame's
-    tokens, plus the labels forward) within 5%; the rest is the frame header."""
-    from compression.registry import make_codec
+def test_default_swarm_trains_on_the_stepped_link_below_its_uncoded_bytes(default_run):
+    """The default link at GPU frames in a real swarm: the run record carries the bench's 20x link
+    (``lowrankq112-128s1v1g8a+er``), the loss falls, and each direction sends fewer bytes per token
+    than the same frame uncoded (no entropy stage, no repeated rows) would hold."""
+    from bench.quality_codecs import build_codec as bench_codec
+    from bench.quality_tasks import VARIANTS
+    from compression.lowrank import LowRankCodec
 
     rep = default_run
     loss = rep["loss"]
     assert sum(loss[-3:]) / 3 < 0.9 * sum(loss[:3]) / 3
-    published = rep["codec_settings"]  # what the run record carried: the long-frame layout
+    published = rep["codec_settings"]  # what the run record carried
+    assert published == bench_codec(VARIANTS["lowrankq112-128s1v1g8a+er"]).describe()
+    lossless = ("codec", "entropy", "repeats", "basis_step")  # basis_step: only with entropy coding
+    uncoded = LowRankCodec(**{k: v for k, v in published.items() if k not in lossless})
+    tokens = 16 * 128  # packed to 2048 tokens: sixteen full 128-token rows of the repeating text
+    for (_, direction), bpt in _bpt(rep).items():
+        bound = uncoded.frame_bytes(tokens, 640, direction, sequences=16) / tokens
+        assert bpt < bound + (2 if direction == "forward" else 0), (direction, bpt, bound)
+
+
+# slow: a second 2048-token swarm; the tiered layout's bytes are also checked codec-level
+# (tests/test_harness.py, tests/test_argv.py)
+@pytest.mark.slow
+def test_tiered_swarm_counts_what_the_benchmark_counts(tiered_run):
+    """``--link tiered`` in a real swarm: each direction's measured bytes per token are the
+    benchmark's accounting (bench/quality.py: the codec's frame bytes over the frame's tokens, plus
+    the labels forward) within 5%; the rest is the frame header."""
+    from compression.registry import make_codec
+
+    rep = tiered_run
+    loss = rep["loss"]
+    assert sum(loss[-3:]) / 3 < 0.9 * sum(loss[:3]) / 3
+    published = rep["codec_settings"]
     assert published["tiers"] == [[24, 8], [88, 4]] and published["first_apart"]
     tiers = ((24, 8), (88, 4))
     codec = make_codec(
         "lowrank", tiers=tiers, backward_tiers=tiers, first_apart=True, basis_dtype="int8", basis_block=32
     )
-    tokens = 16 * 128  # packed to 2048 tokens: sixteen full 128-token rows of the repeating text
+    tokens = 16 * 128
     for (_, direction), bpt in _bpt(rep).items():
         frame = codec.frame_bytes(tokens, 640, direction, sequences=16)
         bench = frame / tokens + (2 if direction == "forward" else 0)  # every position labelled

@@ -208,8 +208,11 @@ def test_repeats_flag_reaches_the_codec_and_its_record():
         check_run_flags(args)
         return config_from_args(args)
 
-    on = codec_settings(resolved(["--microbatch-tokens", "2048", "--lowrank-repeats", "on"]))
+    on = codec_settings(resolved(["--microbatch-tokens", "0", "--lowrank-repeats", "on"]))
     assert on["repeats"] is True and make_codec(on.pop("codec"), **on).repeats
-    assert "repeats" not in codec_settings(resolved(["--microbatch-tokens", "2048"]))
+    assert "repeats" not in codec_settings(resolved(["--microbatch-tokens", "0"]))
+    assert "repeats" not in codec_settings(
+        resolved(["--microbatch-tokens", "2048", "--lowrank-repeats", "off"])
+    )
     with pytest.raises(FlagError, match="--lowrank-repeats does nothing with --codec pca"):
         resolved(["--codec", "pca", "--lowrank-repeats", "on"])

@@ -30,7 +30,7 @@ from node.local.dashboard import DashboardProcess, start_dashboard
 from node.local.memory import PeakMemory
 from node.local.report import build_report, drop_outer_thetas, plot_eval, plot_link_rates, plot_loss
 from node.model.devices import keep_large_blocks_returnable, return_freed_memory
-from node.stage.links import LONG_FRAME_LAYOUT
+from node.stage.links import pinned_layout_flags
 from node.swarm.membership import parent_death_signal
 
 READY_TIMEOUT_S = 300.0  # first start may convert the bundled model (~20-40 s on 2 cores)
@@ -73,7 +73,7 @@ def node_command(
     )
     # the lowrank layout as the launcher resolved it: a flag given at its dataclass default (e.g.
     # --lowrank-first shared at 2048-token frames) would otherwise be left out and resolved anew
-    return [sys.executable, "-m", "node", "join", *config_to_argv(cfg, always=tuple(LONG_FRAME_LAYOUT))]
+    return [sys.executable, "-m", "node", "join", *config_to_argv(cfg, always=pinned_layout_flags(cfg))]
 
 
 def dies_with_launcher() -> Callable[[], None]:

@@ -25,45 +25,92 @@ from protocol.records import RunRecord
 DEFAULT_K = {"lowrank": 80, "pca": 96, "topk": 96, "bottleneck": 96}
 
 
-# The lowrank layout a new run gets for the frames its starter sends (the flags it leaves unset).
-# Long frames (a GPU starter's 2048 tokens): 112 directions in two tiers (24 at 8 bits, 88 at 4)
-# and each sequence's first position (the attention sink) coded apart, at 109.8 B/token per
-# direction on the bundled model (10.5x below dense bf16): the best learner measured at >= 10x
-# (word 0.765 / 0.735 EM on two seeds against the plain k = 80's 0.740 / 0.700; arithmetic and
-# ordering: bench/results/quality.md, tenth section). The loss-share fit stays off: it lowered the
-# first step's answer KL by a third but learnt the word task worse (0.690 / 0.680). Short frames (a
-# CPU starter's --microbatch examples, ~136 tokens in `make demo`): 80 directions at 8 bits and
-# position 0 in the shared code, since there a 112-direction basis and the sinks' own code cost
-# more per token than they save.
-# The lossless entropy stage (--lowrank-entropy) stays off in both: on the bundled model's 2048-token
-# frames it sends 7.0% fewer bytes forward and 12.7% backward (110.0 -> 102.3 / 96.1 B/token, the
-# decoded tensors bit-identical), but it runs in each end's compute thread, serially with the
-# stage's math: ~20 / ~30 ms per frame for the two ends together (loaded CPU cores) to save ~1.6 /
-# ~2.8 ms of wire time at 80 Mbit/s; serially it pays below ~6-7 Mbit/s, and on a link-bound run
-# only where the compute thread has that time to spare (bench/results/entropy.md). A one-word
-# change here turns it on. Repeated rows sent once (--lowrank-repeats) are cheap (~2.5 ms per
-# frame) and lossless, 8.2% fewer bytes forward on word frames (their prompts share first tokens),
-# but off: the benchmarks and tests/test_links_swarm.py count a frame's bytes as ``frame_bytes`` of
-# its shape, which the references make an upper bound (bench/results/entropy.md).
+# The lowrank link a new run gets (``--link``, for the lowrank flags its starter leaves unset).
+# stepped, the default at long frames (a GPU starter's 2048 tokens): 112 forward / 128 backward
+# directions, every coefficient at one uniform step (1.0x the k-th direction's RMS) and entropy
+# coded so each direction gets bits by its energy, the int8 basis quantised no finer than that step
+# needs, the sink position apart and its gradient gained 8x, repeated rows sent once. 20-24x below
+# dense bf16 per direction at the bundled model's 2048-token frames and 0.95-1.00x dense's held-out
+# exact match on all five bench tasks, three seeds each (bench/results/quality.md, 19th section:
+# ``lowrankq112-128s1v1g8a+er``). Its cost: the entropy stage runs in each end's compute thread,
+# ~20-30 ms per frame for the two ends together on loaded CPU cores (bench/results/entropy.md).
+# tiered, the default until then (10.5x, 0.93x dense on word): 112 directions in two tiers (24 at 8
+# bits, 88 at 4), the sink apart, no lossless stage. plain, the default at short frames (a CPU
+# starter's --microbatch examples, ~136 tokens in `make demo`): 80 directions at 8 bits, position 0
+# in the shared code; there a 112-direction basis and the sinks' own code cost more per token than
+# they save, and entropy coding's per-frame cost buys little.
 LONG_FRAME_TOKENS = 2048
-LONG_FRAME_LAYOUT = {
-    "lowrank_tiers": "24x8,88x4",
-    "lowrank_first": "apart",
-    "lowrank_entropy": "off",
-    "lowrank_repeats": "off",
-}
-SHORT_FRAME_LAYOUT = {
+LINKS = ("auto", "stepped", "tiered", "plain")
+_PLAIN = {
+    "codec_k": 0,
+    "lowrank_k_backward": 0,
+    "lowrank_step": 0.0,
+    "lowrank_basis_step": 0.0,
+    "lowrank_first_gain": 0.0,
     "lowrank_tiers": "",
     "lowrank_first": "shared",
     "lowrank_entropy": "off",
     "lowrank_repeats": "off",
 }
+LINK_LAYOUTS: dict[str, dict[str, object]] = {
+    "plain": _PLAIN,
+    "tiered": {**_PLAIN, "lowrank_tiers": "24x8,88x4", "lowrank_first": "apart"},
+    "stepped": {
+        **_PLAIN,
+        "codec_k": 112,
+        "lowrank_k_backward": 128,
+        "lowrank_step": 1.0,
+        "lowrank_basis_step": 1.0,
+        "lowrank_first_gain": 8.0,
+        "lowrank_first": "apart",
+        "lowrank_entropy": "on",
+        "lowrank_repeats": "on",
+    },
+}
+LAYOUT_FLAGS = tuple(_PLAIN)  # the flags a link sets: a launcher passes them to its nodes as resolved
 
 
-def lowrank_layout(microbatch_tokens: int) -> dict[str, str]:
-    """The lowrank flags' defaults for a run whose microbatches are packed to ``microbatch_tokens``
-    (0: a fixed number of examples, i.e. short frames)."""
-    return dict(LONG_FRAME_LAYOUT if microbatch_tokens >= LONG_FRAME_TOKENS else SHORT_FRAME_LAYOUT)
+def pick_link(link: str, microbatch_tokens: int, given: dict[str, object]) -> str:
+    """The link layout for ``--link link`` at ``microbatch_tokens``-token frames, where ``given``
+    holds the lowrank flags the user set. ``auto`` picks by the frames, then bows to flags that only
+    another layout honours: tiers mean tiers; the stepped link's codes need its entropy stage and its
+    step, so turning either off, or asking for fixed-bit backward codes, means a plain k."""
+    if link != "auto":
+        return link
+    if microbatch_tokens < LONG_FRAME_TOKENS:
+        return "plain"
+    if given.get("lowrank_tiers") or given.get("pca_dtype", "int8") != "int8":
+        return "tiered"  # the steps are int8 codes
+    if given.get("lowrank_basis", "int8") != "int8" and "lowrank_step" not in given:
+        return "tiered"  # the stepped basis is an int8 one
+    if given.get("lowrank_entropy") == "off" and "lowrank_step" not in given:
+        return "tiered"
+    if given.get("lowrank_step") == 0 or "lowrank_backward_bits" in given:
+        return "plain"
+    return "stepped"
+
+
+def lowrank_layout(
+    microbatch_tokens: int, link: str = "auto", given: dict[str, object] | None = None
+) -> dict:
+    """The lowrank flags' values, ``link`` resolved to its layout's name among them, for a run whose
+    microbatches are packed to ``microbatch_tokens`` (0: a fixed number of examples, i.e. short
+    frames); the flags in ``given`` keep their value."""
+    given = given or {}
+    name = pick_link(link, microbatch_tokens, given)
+    return {"link": name, **{n: v for n, v in LINK_LAYOUTS[name].items() if n not in given}}
+
+
+def pinned_layout_flags(cfg: NodeConfig) -> tuple[str, ...]:
+    """The lowrank flags a launcher writes on each node's command line, so that the node resolves
+    nothing anew: the link by name, the flags with no dataclass default, and every flag whose value
+    is not its link's (a flag given at its dataclass default, ``--lowrank-first shared`` at long
+    frames, would otherwise be left out and resolved back to the layout's)."""
+    if cfg.codec != "lowrank" or cfg.link not in LINK_LAYOUTS:
+        return ()
+    layout = LINK_LAYOUTS[cfg.link]
+    own = ("lowrank_tiers", "lowrank_first", "lowrank_entropy", "lowrank_repeats")
+    return ("link", *own, *(n for n, v in layout.items() if n not in own and getattr(cfg, n) != v))
 
 
 def codec_settings(cfg: NodeConfig, model=None) -> dict:
