@@ -44,7 +44,7 @@ from compression.registry import make_codec
 from node.model.data import collate, tokenize
 from node.model.loading import load_model
 from node.model.stages import build_stage, default_stage_ranges
-from node.stage.links import LONG_FRAME_LAYOUT, loss_rows, parse_tiers
+from node.stage.links import LINK_LAYOUTS, loss_rows, parse_tiers
 
 
 def entropy_bytes(symbols: list[int]) -> float:
@@ -65,9 +65,11 @@ def field_symbols(name: str, t: torch.Tensor) -> list[int] | None:
 
 
 def default_codec(entropy: bool = False, repeats: bool = False):
-    """The codec a GPU starter's run publishes (node.stage.links: LONG_FRAME_LAYOUT), with the
+    """The tiered link (node.stage.links: LINK_LAYOUTS["tiered"], a GPU starter's default when this
+    was measured), with the
     lossless stages (entropy coding, repeated rows once) on or off."""
-    tiers = parse_tiers(LONG_FRAME_LAYOUT["lowrank_tiers"])
+    tiered = LINK_LAYOUTS["tiered"]
+    tiers = parse_tiers(tiered["lowrank_tiers"])
     return make_codec(
         "lowrank",
         k=sum(n for n, _ in tiers),
@@ -76,7 +78,7 @@ def default_codec(entropy: bool = False, repeats: bool = False):
         basis_block=32,
         tiers=tiers,
         backward_tiers=tiers,
-        first_apart=LONG_FRAME_LAYOUT["lowrank_first"] == "apart",
+        first_apart=tiered["lowrank_first"] == "apart",
         entropy=entropy,
         repeats=repeats,
     )
