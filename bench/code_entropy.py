@@ -66,8 +66,7 @@ def field_symbols(name: str, t: torch.Tensor) -> list[int] | None:
 
 def default_codec(entropy: bool = False, repeats: bool = False):
     """The tiered link (node.stage.links: LINK_LAYOUTS["tiered"], a GPU starter's default when this
-    was measured), with the
-    lossless stages (entropy coding, repeated rows once) on or off."""
+    was measured), with the lossless stages (entropy coding, repeated rows once) on or off."""
     tiered = LINK_LAYOUTS["tiered"]
     tiers = parse_tiers(tiered["lowrank_tiers"])
     return make_codec(
