@@ -182,7 +182,23 @@ class Pipeline:
         self._mb_counter += 1
         mb = self._mb_prefix | self._mb_counter
         try:
-            meta, _ = await self.run_rest(ids, labels, self.ctx.inner_step, mb, [], tokens)
+            while True:
+                try:
+                    meta, _ = await self.run_rest(ids, labels, self.ctx.inner_step, mb, [], tokens)
+                    break
+                except HopFailed as e:
+                    if "no live peer" not in str(e) or not self.empty_downstream.keep():
+                        raise
+                    # the next stage is empty for a moment: this microbatch waits for its next peer
+                    # (send_downstream reads the DHT again) instead of being dropped
+                    self.ctx.metrics.held += 1
+                    if not self.empty_downstream.said_hold:  # once per empty spell
+                        self.empty_downstream.said_hold = True
+                        log.info("%s: holding microbatches back until one joins", e)
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self.ctx.stop.wait(), self.drop_backoff_s)
+                    if self.ctx.stop.is_set():
+                        return
         except HopFailed as e:
             self.ctx.metrics.dropped += 1
             # holding the slot a moment keeps a head whose downstream stage has no live peer from

@@ -344,31 +344,44 @@ EMPTY_STAGE_MAX_BACKOFF_S = 30.0
 
 
 class EmptyStageBackoff:
-    """Head: how long a slot waits after a microbatch found no live peer downstream.
+    """Head: what a microbatch that found no live peer downstream does, and how long its slot waits.
 
-    For the first ``EMPTY_STAGE_NOTICE_S`` (a node restarting, a record expiring) each drop waits
-    ``base_s`` and is logged; past that the stage is taken as empty: one line says so, drops are
-    silent and the wait doubles up to ``EMPTY_STAGE_MAX_BACKOFF_S``, until a microbatch is served.
+    For the first ``EMPTY_STAGE_NOTICE_S`` (a node restarting, a record expiring) it is kept and
+    tried again (``keep``); past that the stage is taken as empty: one line says so, microbatches
+    are dropped silently and the wait doubles up to ``EMPTY_STAGE_MAX_BACKOFF_S``, until a
+    microbatch is served.
     """
 
     def __init__(self) -> None:
-        self.since: float | None = None  # first drop of the current empty spell
+        self.since: float | None = None  # first drop (or hold) of the current empty spell
         self.delay = 0.0
         self.noticed = False
+        self.said_hold = False
+
+    def keep(self) -> bool:
+        """Whether a microbatch that found no live peer downstream waits for one instead of being
+        dropped: while the empty spell is younger than ``EMPTY_STAGE_NOTICE_S``. A stage is empty
+        for a moment far more often than for good (a node restarting, its record expiring on a slow
+        line, a rebalance moving its last replica): the microbatch, computed already, is kept and
+        its tokens trained; a stage empty past that is taken as empty, and drops resume."""
+        now = time.monotonic()
+        if self.since is None:
+            self.since, self.delay = now, 0.0
+        return now - self.since < EMPTY_STAGE_NOTICE_S
 
     def dropped(self, reason: str, base_s: float) -> float:
         """Seconds to hold the slot after a microbatch dropped because ``reason``."""
         now = time.monotonic()
-        if self.since is None:
-            self.since, self.delay = now, base_s
+        if self.since is None or not self.delay:
+            self.since, self.delay = self.since or now, base_s
         if now - self.since < EMPTY_STAGE_NOTICE_S:
             log.warning("dropped a microbatch: %s", reason)
             return base_s
         if not self.noticed:
             self.noticed = True
             log.warning(
-                "%s for %.0fs: holding microbatches back, retrying with back-off up to %.0fs, until a "
-                "node serves it",
+                "%s for %.0fs: taken as empty, its microbatches dropped, retrying with back-off up to "
+                "%.0fs, until a node serves it",
                 reason,
                 now - self.since,
                 EMPTY_STAGE_MAX_BACKOFF_S,
@@ -379,4 +392,4 @@ class EmptyStageBackoff:
     def served(self) -> None:
         if self.noticed:
             log.warning("the pipeline is whole again: training resumes")
-        self.since, self.noticed = None, False
+        self.since, self.noticed, self.said_hold = None, False, False
