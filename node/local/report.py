@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from node.stage.metrics import bytes_per_token, sent_bytes
+
 
 def merge_losses(per_replica: list[list[float]]) -> list[float]:
     """Per-step mean over the tail replicas that reached that step."""
@@ -138,6 +140,16 @@ def dp_summary(metrics: list[dict], tokens: int) -> dict:
     }
 
 
+def sent_summary(metrics: list[dict], tokens: int) -> dict:
+    """What every node of the run sent, by kind (node.stage.metrics.sent_bytes), and per token the
+    run trained (each token counted once, at the tail, though every stage carries it)."""
+    kinds: dict[str, int] = defaultdict(int)
+    for m in metrics:
+        for kind, n in sent_bytes(m).items():
+            kinds[kind] += n
+    return {"bytes": dict(kinds), "tokens": tokens, "per_token": bytes_per_token(kinds, tokens)}
+
+
 def build_report(metrics: list[dict], n_stages: int, **extra) -> dict:
     # the training loss a user cares about is the fast circuit's; anchors only feed its filter
     tails = [m for m in metrics if m["stage"] == n_stages - 1 and m.get("circuit", "fast") == "fast"]
@@ -165,6 +177,7 @@ def build_report(metrics: list[dict], n_stages: int, **extra) -> dict:
         "outer": outer_summary(fast),
         "dp": dp_summary(fast, sum(m["trained_tokens"] for m in tails)),
         "rejected_frames": sum(m["rejected_frames"] for m in metrics),
+        "sent": sent_summary(metrics, sum(m["trained_tokens"] for m in tails)),
         "microbatches_per_peer": {m["peer_id"]: m["microbatches"] for m in metrics},
         "nodes": metrics,
     }

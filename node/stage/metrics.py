@@ -30,6 +30,7 @@ class Metrics:
         self.trained_tokens = 0
         self.microbatches = 0
         self.dropped = 0
+        self.held = 0  # head: tries of a microbatch that waited for an empty next stage (not dropped)
         self.rejected_frames = 0
         self.shed_streams = 0  # streams over a peer's concurrency bound, answered busy unread
         self.idle_streams = 0  # request streams closed for sending nothing within the idle deadline
@@ -71,6 +72,28 @@ class Metrics:
             {"boundary": b, "direction": d, "bytes": c.bytes, "tokens": c.tokens, "frames": c.frames}
             for (b, d), c in sorted(self.links.items())
         ]
+
+
+def sent_bytes(m: dict) -> dict[str, int]:
+    """Bytes this node wrote to its peers, by kind, from its metrics dict (``metrics_dict``): link
+    frames (forward frames it sent and backward replies it answered with), outer rounds (serialized
+    all-reduce parts, every attempt), the tied embedding's exchange, bases and anchor packets it
+    served, and bytes it relayed for other nodes. Not counted: DHT heartbeats and lookups, hivemind's
+    matchmaking and libp2p's own traffic (hivemind does not count them)."""
+    return {
+        "links": sum(lk["bytes"] for lk in m.get("links", [])),
+        "outer": sum(r.get("bytes_sent", 0) for r in m.get("outer_rounds", [])),
+        "tied": m.get("tied", {}).get("bytes_sent", 0),
+        "bases": m.get("basis_bytes_served", 0),
+        "anchors": m.get("anchor_bytes", 0),
+        "relay": m.get("relay", {}).get("relayed_bytes", 0),
+    }
+
+
+def bytes_per_token(sent: dict[str, int], tokens: int) -> dict[str, float]:
+    """Each kind's bytes, and their ``total``, per trained token (0 before the first token)."""
+    per = {k: (v / tokens if tokens else 0.0) for k, v in sent.items()}
+    return {**per, "total": sum(per.values())}
 
 
 def write_json_atomic(path: str, data: dict) -> None:
