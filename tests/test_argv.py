@@ -317,6 +317,11 @@ def test_lowrank_layout_follows_the_frames_the_starter_sends():
     codec = make_codec(tiered.pop("codec"), **tiered)
     for direction in ("forward", "backward"):
         assert codec.frame_bytes(70 * 29, 576, direction, sequences=70) / (70 * 29) <= 2 * 576 / 10
+    # an emulated model's links cannot size entropy-coded frames (node.stage.emulated): tiered
+    emulated = codec_settings(
+        _resolved(["--microbatch-tokens", "2048", "--model", "emulate:2048:8:0.94:256:h100"])
+    )
+    assert emulated["tiers"] == [[24, 8], [88, 4]] and "entropy" not in emulated
     short = codec_settings(_resolved(["--microbatch-tokens", "0"]))
     assert short == codec_settings(NodeConfig()) and short["k"] == 80
     assert not {"tiers", "first_apart", "loss_share", "step", "entropy"} & set(short)

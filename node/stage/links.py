@@ -70,15 +70,19 @@ LINK_LAYOUTS: dict[str, dict[str, object]] = {
 LAYOUT_FLAGS = tuple(_PLAIN)  # the flags a link sets: a launcher passes them to its nodes as resolved
 
 
-def pick_link(link: str, microbatch_tokens: int, given: dict[str, object]) -> str:
+def pick_link(link: str, microbatch_tokens: int, given: dict[str, object], emulated: bool = False) -> str:
     """The link layout for ``--link link`` at ``microbatch_tokens``-token frames, where ``given``
     holds the lowrank flags the user set. ``auto`` picks by the frames, then bows to flags that only
     another layout honours: tiers mean tiers; the stepped link's codes need its entropy stage and its
-    step, so turning either off, or asking for fixed-bit backward codes, means a plain k."""
+    step, so turning either off, or asking for fixed-bit backward codes, means a plain k. An
+    ``emulated`` model's links (node.stage.emulated) send the tiered link: entropy-coded sizes depend
+    on values the emulation never computes."""
     if link != "auto":
         return link
     if microbatch_tokens < LONG_FRAME_TOKENS:
         return "plain"
+    if emulated:
+        return "tiered"
     if given.get("lowrank_tiers") or given.get("pca_dtype", "int8") != "int8":
         return "tiered"  # the steps are int8 codes
     if given.get("lowrank_basis", "int8") != "int8" and "lowrank_step" not in given:
@@ -91,13 +95,13 @@ def pick_link(link: str, microbatch_tokens: int, given: dict[str, object]) -> st
 
 
 def lowrank_layout(
-    microbatch_tokens: int, link: str = "auto", given: dict[str, object] | None = None
+    microbatch_tokens: int, link: str = "auto", given: dict[str, object] | None = None, emulated: bool = False
 ) -> dict:
     """The lowrank flags' values, ``link`` resolved to its layout's name among them, for a run whose
     microbatches are packed to ``microbatch_tokens`` (0: a fixed number of examples, i.e. short
     frames); the flags in ``given`` keep their value."""
     given = given or {}
-    name = pick_link(link, microbatch_tokens, given)
+    name = pick_link(link, microbatch_tokens, given, emulated)
     return {"link": name, **{n: v for n, v in LINK_LAYOUTS[name].items() if n not in given}}
 
 
