@@ -421,7 +421,7 @@ def ceilings(a, links: list[dict], rate_bps: float, hidden: int) -> dict:
     compute = None
     if a.mode == "emulated":
         # the stage with the most layers bounds it: each replica computes one microbatch at a time
-        from bench.emulated import parse_spec
+        from node.model.emulated import parse_spec
 
         _, layers, us, _, _ = parse_spec(model_spec(a))
         most = -(-layers // a.stages)
@@ -436,7 +436,7 @@ def ceilings(a, links: list[dict], rate_bps: float, hidden: int) -> dict:
 
 def hidden_size(a) -> int:
     if a.mode == "emulated":
-        from bench.emulated import parse_spec
+        from node.model.emulated import parse_spec
 
         return parse_spec(model_spec(a))[0]
     try:
@@ -755,7 +755,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="emulated compute, microseconds per token per layer, forward+backward "
-        "(default: a Llama-3.2-1B layer on --gpu at 40%% MFU, see bench/emulated.py)",
+        "(default: a Llama-3.2-1B layer on --gpu at 40%% MFU, see node/model/emulated.py)",
     )
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--microbatch", type=int, default=8)
@@ -855,7 +855,7 @@ def main(argv: list[str] | None = None) -> int:
             print(path)
         return 0
     if a.us_per_token_layer is None:
-        from bench.emulated import GPUS, layer_us_per_token
+        from node.model.emulated import GPUS, layer_us_per_token
 
         a.us_per_token_layer = round(layer_us_per_token(tflops=GPUS[a.gpu].bf16_tflops), 2)
     if a.nodes < a.stages:

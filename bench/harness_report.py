@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.emulated import (
+from compression.powersgd import bytes_for
+from node.model.emulated import (
     GPUS,
     LAYER_PARAMS_1B,
     MFU,
@@ -22,7 +23,6 @@ from bench.emulated import (
     layer_us_per_token,
     lm_head_us_per_token,
 )
-from compression.powersgd import bytes_for
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PAPER_DENSE_B, PAPER_M95AP_B = 22_900, 446  # paper A's bytes per token at H = 2048

@@ -17,7 +17,7 @@ same run four times, the tail (stage 1) and the measured head (stage 0) placed s
 Public peer 0 serves stage 0 in every case (the bootstrap, and the relay the NAT'd pairs need),
 with one microbatch in flight (``--relay-head-inflight``) so that it costs the tail's line little;
 it is there in all four cases, so they compare like for like. The model is emulated
-(``bench/emulated.py``: real-size activations, compute as sleeps), so the link, not this machine's
+(``node/model/emulated.py``: real-size activations, compute as sleeps), so the link, not this machine's
 CPUs, sets the pace. Tokens/s is the measured head's trained tokens over ``--seconds`` after a
 warm-up; the relay's bytes and CPU seconds are counted over the same window.
 """

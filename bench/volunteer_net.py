@@ -9,7 +9,7 @@ sym, cgnat), then with every node public. The public node 0 starts the run (``--
 others join with ``--stage auto`` and rebalancing on, as volunteers do. Churn: every
 ``--churn-every`` seconds a home node is killed (SIGKILL) and a fresh one joins in its home; once
 (``--relay-kill-at``) public node 1, a relay, is killed for good; once (``--bounce-at``) a home
-router's uplink goes down and up. The model is emulated (``bench/emulated.py``: real-size
+router's uplink goes down and up. The model is emulated (``node/model/emulated.py``: real-size
 activations, compute as sleeps), so the lines, not this machine's CPUs, should set the pace.
 
 Every ``--sample`` seconds each live node's metrics file is read: the report has the swarm's

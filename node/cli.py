@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from dataclasses import fields
 
 from node.argv import FlagError, OneLineParser, add_config_args, bounded, config_from_args, flag_type, given
 from node.config import NET, NODE, RUN, NodeConfig
+from node.inputs import check_ip, check_new_dir, check_new_file, check_run_id
 
 _CFG_DEFAULTS = {f.name: f.default for f in fields(NodeConfig) if not callable(f.default_factory)}
 # the codecs each codec-specific flag acts on: given with another codec, it would do nothing
@@ -157,6 +159,28 @@ def check_run_flags(a: argparse.Namespace) -> None:
             f"--microbatch-tokens {a.microbatch_tokens} must be 0 or at least --seq-len ({a.seq_len}): "
             "every microbatch holds at least one whole example"
         )
+
+
+def check_command_paths(a: argparse.Namespace) -> None:
+    """What a subcommand writes or names, checked before it starts (``join``'s own: node.join's
+    check_inputs): an output inside a file, a run id that is not a name, a listen address that is
+    not one. These used to fail as an exception's name, ``swarm --export`` only after the run."""
+    if getattr(a, "run_id", None) is not None and a.cmd != "join":
+        check_run_id(a.run_id)
+    if a.cmd == "swarm":
+        check_new_dir("--report", a.report, may_exist=True)
+        if a.export:
+            check_new_dir("--export", a.export, may_exist=True)  # replaced at the end of the run
+    elif a.cmd == "export":
+        check_new_dir("--out", a.out, may_exist=False, force=a.force)
+    elif a.cmd == "keygen":
+        check_new_file("keygen", a.path, may_exist=False)
+    elif a.cmd == "health" and a.state_dir and os.path.exists(a.state_dir) and not os.path.isdir(a.state_dir):
+        raise FlagError(
+            f"--state-dir {a.state_dir} is a file, not a directory; pass the node's state directory"
+        )
+    elif a.cmd == "dashboard":
+        check_ip("--host", a.host, v4_only=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -475,11 +499,13 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING if not args.verbose else logging.INFO)
     if args.cmd in ("join", "swarm"):
         resolve_defaults(args)
-        try:
+    try:
+        if args.cmd in ("join", "swarm"):
             check_run_flags(args)
-        except FlagError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        check_command_paths(args)
+    except FlagError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         if args.cmd == "join":
             from node.join import run_join
@@ -502,9 +528,13 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_health(args.state_dir)
         if args.cmd == "keygen":
-            from protocol.auth import key_id, make_swarm_key
+            from protocol.auth import SwarmKeyError, key_id, make_swarm_key
 
-            key = make_swarm_key(args.path)
+            try:
+                key = make_swarm_key(args.path)
+            except SwarmKeyError as e:  # made meanwhile by another process
+                print(f"error: {e}", file=sys.stderr)
+                return 2
             print(f"swarm key {key_id(key)} written to {args.path}; give it to every node as --swarm-key")
             return 0
         if args.cmd in ("export", "eval", "generate"):

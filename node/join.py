@@ -22,16 +22,27 @@ import torch
 from hivemind import DHT
 from hivemind.p2p import P2P
 
+from node.argv import FlagError
 from node.config import NodeConfig, run_parts, stage_layers
 from node.dp.deferred import DeferredOuter
 from node.dp.diloco import OuterSync
+from node.inputs import (
+    check_announce,
+    check_identity,
+    check_ip,
+    check_new_file,
+    check_run_id,
+    check_state_dir,
+)
 from node.model.adapters import (
+    AdapterError,
     adapter_params,
     add_adapters,
     base_dtype,
     frozen_base,
     frozen_bytes_per_param,
     quantize_base,
+    targets_of,
 )
 from node.model.checkpoint import newest_for_run
 from node.model.data import ByteTokenizer, DataError, as_plain_text, check_data, load_examples, microbatches
@@ -66,6 +77,7 @@ from node.stage.links import build_codec, codec_settings
 from node.stop_signal import StopRequest
 from node.swarm.membership import (
     JoinError,
+    check_peer_addresses,
     keep_run_record,
     publish_run_record,
     read_run_record,
@@ -361,7 +373,10 @@ def find_run(cfg: NodeConfig, dht, stop: StopRequest) -> RunRecord | None:
 def check_inputs(cfg: NodeConfig) -> None:
     """What the flags name, checked before any daemon, socket or model load: the stage of a new run,
     the model (a Hub id is fetched here; a partial snapshot refused), the data file, the swarm key.
-    Each failure is one line (JoinError, ModelError, DataError, SwarmKeyError)."""
+    Each failure is one line (JoinError, ModelError, DataError, SwarmKeyError, FlagError). Then the
+    paths and addresses: a state directory, identity key or metrics file that cannot be written or
+    read, a malformed peer, listen or announce address, failed later as an exception's name after
+    p2pd had started (or, the metrics file, once the node served)."""
     if not cfg.peers and cfg.stage != "auto" and int(cfg.stage) >= cfg.stages:
         raise JoinError(
             f"--stage {cfg.stage} does not exist: a new run of --stages {cfg.stages} has stages "
@@ -372,12 +387,33 @@ def check_inputs(cfg: NodeConfig) -> None:
     check_data(cfg.data)  # any node may come to serve the head (--stage auto, a move)
     if cfg.swarm_key:
         load_swarm_key(cfg.swarm_key)
+    check_run_id(cfg.run_id)
+    check_peer_addresses(cfg.peers)
+    check_announce(cfg.announce_maddrs)
+    check_ip("--host", cfg.host, v4_only=True)
+    if cfg.dashboard:
+        check_ip("--dashboard-host", cfg.dashboard_host, v4_only=False)
+    check_state_dir(cfg.state_dir)
+    check_identity(cfg.identity, cfg.state_dir)
+    for flag, path in (("--metrics-file", cfg.metrics_file), ("--ready-file", cfg.ready_file)):
+        if path:
+            check_new_file(flag, path, may_exist=True)
+
+
+def check_lora_targets(ft, model: torch.nn.Module) -> None:
+    """A new run's --lora-targets against the model's linear layers (the stages check it again)."""
+    present = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    if not set(targets_of(ft)) & present:
+        raise AdapterError(
+            f"--lora-targets {ft.targets!r} names no linear layer of this model (it has: "
+            f"{', '.join(sorted(present))}); pass some of those names, comma-separated"
+        )
 
 
 def run_join(cfg: NodeConfig) -> int:
     try:
         check_inputs(cfg)
-    except (JoinError, ModelError, DataError, SwarmKeyError) as e:
+    except (JoinError, ModelError, DataError, SwarmKeyError, FlagError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     # Until the event loop takes over signals, SIGTERM / Ctrl-C unwind through the cleanup below
@@ -404,6 +440,8 @@ def run_join(cfg: NodeConfig) -> int:
         run_is_new = run is None
         if run is None:
             run = new_run_record(cfg, model, name, "")
+            if run.finetune.mode == "lora":  # before the record is published: no run that cannot train
+                check_lora_targets(run.finetune, model)
             run.model_hash, run.stage_hashes = source.run_hashes(run.stages)  # streamed, tensor by tensor
             run.key_id = key_id(key) if key else ""
             publish_run_record(dht, run)
@@ -597,7 +635,7 @@ def run_join(cfg: NodeConfig) -> int:
             asyncio.run(main())
         log.info("stopped after %d inner steps", runtime.inner_step)
         return 0
-    except (JoinError, BasisUnavailable, ModelError, DataError) as e:
+    except (JoinError, BasisUnavailable, ModelError, DataError, AdapterError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:

@@ -75,7 +75,7 @@ class StageRuntime(Lifecycle):
         self.memory_estimate: dict | None = None  # node.model.devices.stage_memory_bytes, set by join
         emulated = getattr(stage.config, "emulate_gpu", None)
         if emulated:  # bench.harness: the GPU-side work of an emulated model becomes calibrated sleeps
-            from bench.emulated import EmulatedCompute, emulate_links
+            from node.stage.emulated import EmulatedCompute, emulate_links
 
             self.compute = EmulatedCompute(stage, device)
         else:

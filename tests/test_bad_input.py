@@ -52,6 +52,8 @@ def _files(d: Path) -> None:
     (d / "hf" / "hub" / "models--acme--partial" / "refs" / "main").write_text(COMMIT)
     (d / "models" / "noweights").mkdir()
     (d / "models" / "noweights" / "config.json").write_text('{"model_type": "llama"}')
+    (d / "afile").write_text("a file where a directory belongs\n")
+    (d / "notakey").write_bytes(b"\0" * 5)  # p2pd: "proto: cannot parse invalid wire-format data"
 
 
 # (id, argv, words the one line must hold, extra environment)
@@ -133,6 +135,68 @@ CASES = [
     ("swarm-nodes-lt-stages", ["swarm", "--nodes", "1", "--stages", "2"], ["--nodes 1", "--stages 2"], {}),
     # eval's own inputs
     ("eval-data-not-utf8", ["eval", "--model", "tiny", "--data", "bad.txt"], ["--data bad.txt", "UTF-8"], {}),
+    # paths, names and addresses (node/inputs.py); each was an exception's name, most after p2pd started
+    (
+        "state-dir-file",
+        [*J, "--state-dir", "afile"],
+        ["--state-dir afile", "is a file", "--state-dir DIR"],
+        {},
+    ),
+    ("state-dir-in-file", [*J, "--state-dir", "afile/s"], ["--state-dir afile/s", "afile is a file"], {}),
+    (
+        "identity-not-a-key",
+        [*J, "--identity", "notakey"],
+        ["--identity notakey", "not a libp2p private key"],
+        {},
+    ),
+    ("identity-dir", [*J, "--identity", "models"], ["--identity models", "not a file"], {}),
+    (
+        "identity-in-file",
+        [*J, "--identity", "afile/id.key"],
+        ["--identity afile/id.key", "afile is a file"],
+        {},
+    ),
+    ("metrics-in-file", [*J, "--metrics-file", "afile/m.json"], ["--metrics-file afile/m.json", "afile"], {}),
+    (
+        "metrics-no-dir",
+        [*J, "--metrics-file", "nope/m.json"],
+        ["--metrics-file nope/m.json", "does not exist"],
+        {},
+    ),
+    ("metrics-a-dir", [*J, "--metrics-file", "models"], ["--metrics-file models", "is a directory"], {}),
+    ("peers-not-ip4", [*J, "--peers", "/ip4/1.2.3/tcp/1"], ["--peers", "not a multiaddr"], {}),
+    ("announce-maddr", [*J, "--announce-maddr", "nonsense"], ["--announce-maddr 'nonsense'", "/ip4/"], {}),
+    ("host-not-ip", [*J, "--host", "999.1.1.1"], ["--host '999.1.1.1'", "0.0.0.0"], {}),
+    (
+        "dashboard-host-not-ip",
+        [*J, "--dashboard", "8123", "--dashboard-host", "1.2.3.999"],
+        ["--dashboard-host '1.2.3.999'", "not an IP address", "127.0.0.1"],
+        {},
+    ),
+    ("run-id-path", [*J, "--run-id", "a/b"], ["--run-id 'a/b'", "letters, digits"], {}),
+    ("status-run-id-path", ["status", "--peers", "x", "--run-id", "../x"], ["--run-id '../x'"], {}),
+    ("emulate-malformed", [*J0, "--model", "emulate:x"], ["--model 'emulate:x'", "integers"], {}),
+    ("emulate-gpu", [*J0, "--model", "emulate:64:2:1:32:tpu"], ["unknown GPU 'tpu'", "h100"], {}),
+    ("swarm-report-in-file", ["swarm", "--report", "afile/r"], ["--report afile/r", "afile is a file"], {}),
+    ("swarm-report-file", ["swarm", "--report", "afile"], ["--report afile", "is a file"], {}),
+    ("swarm-export-in-file", ["swarm", "--export", "afile/x"], ["--export afile/x", "afile is a file"], {}),
+    ("export-out-in-file", ["export", "--out", "afile/x", "--checkpoints", "models"], ["--out afile/x"], {}),
+    (
+        "export-out-file",
+        ["export", "--out", "afile", "--checkpoints", "models", "--force"],
+        ["--out afile"],
+        {},
+    ),
+    (
+        "export-out-exists",
+        ["export", "--out", "models", "--checkpoints", "models"],
+        ["--out models", "--force"],
+        {},
+    ),
+    ("keygen-in-file", ["keygen", "afile/k"], ["keygen afile/k", "afile is a file"], {}),
+    ("keygen-exists", ["keygen", "afile"], ["keygen afile", "already exists"], {}),
+    ("keygen-no-dir", ["keygen", "nope/k"], ["keygen nope/k", "nope does not exist"], {}),
+    ("health-state-dir-file", ["health", "--state-dir", "afile"], ["--state-dir afile", "is a file"], {}),
 ]
 
 
@@ -284,3 +348,44 @@ def test_eval_limit_takes_the_first_n(tmp_path, capsys):
     assert "tiny: 3 examples" in capsys.readouterr().out
     assert main([*argv, "--limit", "-5"]) == 2
     assert "--limit must be >= 0, got -5" in capsys.readouterr().err
+
+
+def test_unwritable_paths_are_refused_in_one_line(tmp_path, monkeypatch):
+    """A directory this user cannot write (as root every directory is writable, so os.access is
+    told so here): the state dir, an output's parent, a key file's directory."""
+    from node import inputs
+    from node.argv import FlagError
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real = os.access
+    monkeypatch.setattr(inputs.os, "access", lambda p, mode: False if Path(p) == ro else real(p, mode))
+    for check, words in (
+        (lambda: inputs.check_state_dir(str(ro)), ["--state-dir", "not writable", "--state-dir DIR"]),
+        (lambda: inputs.check_state_dir(str(ro / "s")), [f"{ro} is not writable"]),
+        (lambda: inputs.check_new_dir("--out", str(ro / "x"), may_exist=False), ["--out", "not writable"]),
+        (lambda: inputs.check_new_file("keygen", str(ro / "k"), may_exist=False), ["keygen", "not writable"]),
+    ):
+        with pytest.raises(FlagError) as e:
+            check()
+        assert len(str(e.value).splitlines()) == 1
+        for w in words:
+            assert w in str(e.value), (w, str(e.value))
+    inputs.check_state_dir(str(tmp_path / "new" / "state"))  # made when it can be
+    assert (tmp_path / "new" / "state").is_dir()
+
+
+def test_identity_check_takes_the_key_a_node_writes(tmp_path):
+    """A key hivemind generates passes; a damaged default key is refused with the way out."""
+    from hivemind.p2p import P2P
+
+    from node.argv import FlagError
+    from node.inputs import check_identity
+
+    key = tmp_path / "id.key"
+    P2P.generate_identity(str(key))
+    check_identity(str(key), str(tmp_path))
+    check_identity(None, str(tmp_path / "fresh"))  # no key yet: p2pd makes one
+    (tmp_path / "identity.key").write_bytes(b"")  # e.g. a crash while it was written
+    with pytest.raises(FlagError, match=r"identity key .*identity.key \(in --state-dir\).*delete it"):
+        check_identity(None, str(tmp_path))

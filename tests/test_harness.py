@@ -101,7 +101,7 @@ def test_emulated_model_pipeline_shapes_hash_and_sleep():
 
     import torch
 
-    from bench.emulated import DEFAULT_US, layer_us_per_token, parse_spec
+    from node.model.emulated import DEFAULT_US, layer_us_per_token, parse_spec
     from node.model.loading import content_hash, load_model
     from node.model.stages import build_stage, default_stage_ranges
 
@@ -239,8 +239,9 @@ def test_link_cut_summary_from_snapshots():
 def _real_and_emulated(name: str, **kw):
     import torch
 
-    from bench.emulated import GPUS, EmulatedLinkCodec
     from compression.registry import make_codec
+    from node.model.emulated import GPUS
+    from node.stage.emulated import EmulatedLinkCodec
 
     real = make_codec(name, **kw)
     if name == "pca":  # an orthonormal basis of the frame's width
@@ -307,7 +308,7 @@ def test_emulated_link_sends_the_real_codecs_layout(name, kw):
 
 def test_codec_gpu_seconds_h100_figures():
     """Hand-derived H100 SXM figures for one 4096-token frame of width 2048 (bench/results/harness.md)."""
-    from bench.emulated import GPUS, codec_gpu_seconds
+    from node.model.emulated import GPUS, codec_gpu_seconds
 
     g = GPUS["h100"]
     rows, hidden = 4096, 2048
@@ -332,9 +333,9 @@ def test_emulated_compute_sleeps_and_builds_no_activation():
 
     import torch
 
-    from bench.emulated import EmulatedCompute
     from node.model.loading import load_model
     from node.model.stages import build_stage, default_stage_ranges
+    from node.stage.emulated import EmulatedCompute
 
     m, _, _ = load_model("emulate:2048:4:50:256:h100", seed=0)
     ranges = default_stage_ranges(m, 2)

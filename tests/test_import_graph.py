@@ -2,7 +2,8 @@
 
 Every ``import`` counts, those inside functions too: a lazy import only hides a circle from
 the interpreter, not from a reader who has to know which module depends on which. The layers
-point one way as well: compression/ is pure tensor math, protocol/ knows bytes and schemas.
+point one way as well: compression/ is pure tensor math, protocol/ knows bytes and schemas,
+node/ stands on both, and bench/ drives node/ from outside (node/ never imports bench/).
 """
 
 import ast
@@ -92,17 +93,107 @@ def test_no_import_cycle():
     assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
+# The layers: node -> protocol -> compression, and bench drives node from outside. Each package may
+# not import the packages named here, whatever the module (one that does not exist yet included).
+MAY_NOT_IMPORT = {
+    "compression": {"protocol", "node", "bench"},
+    "protocol": {"node", "bench"},
+    "node": {"bench"},
+}
+
+
+def imported_names(source: str, module: str) -> list[tuple[int, str]]:
+    """(line, absolute dotted name) of every import in ``source``, those inside functions too.
+
+    Relative imports are resolved against ``module``; ``importlib.import_module("x")`` and
+    ``__import__("x")`` with a literal name count as well. Nothing is executed."""
+    is_pkg = module.endswith(".__init__")
+    package = module.removesuffix(".__init__").split(".")
+    if not is_pkg:
+        package = package[:-1]
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            out.append((node.lineno, name))
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and (
+                (isinstance(node.func, ast.Name) and node.func.id in ("__import__", "import_module"))
+                or (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+            )
+        ):
+            out.append((node.lineno, node.args[0].value))
+    return out
+
+
+def layer_violations(sources: dict[str, str]) -> list[str]:
+    """``path:line: a -> b`` for every import against MAY_NOT_IMPORT; ``sources``: repo path -> text."""
+    bad = []
+    for path, text in sorted(sources.items()):
+        top = path.split("/")[0]
+        module = path.removesuffix(".py").replace("/", ".")
+        for line, name in imported_names(text, module):
+            if name.split(".")[0] in MAY_NOT_IMPORT.get(top, ()):
+                bad.append(f"{path}:{line}: {top} -> {name}")
+    return bad
+
+
+def layer_sources() -> dict[str, str]:
+    return {
+        str(p.relative_to(ROOT)): p.read_text()
+        for pkg in MAY_NOT_IMPORT
+        for p in sorted((ROOT / pkg).rglob("*.py"))
+    }
+
+
+def test_a_planted_layer_import_is_found():
+    sources = layer_sources()
+    planted = {
+        "node/model/loading.py": "def f():\n    from bench.emulated import load_emulated\n",
+        "node/x.py": "import bench\n",
+        "node/y.py": "from bench import harness\n",
+        "node/z.py": "import importlib\nimportlib.import_module('bench.harness')\n",
+        "protocol/frames.py": "from node.stage import compute\n",
+        "protocol/w.py": "import bench.harness\n",
+        "compression/codec.py": "import protocol.frames\n",
+        "compression/v.py": "from node.model import loading\n",
+        "compression/u.py": "from bench import nat\n",
+    }
+    found = layer_violations({**sources, **planted})
+    assert found == [
+        "compression/codec.py:1: compression -> protocol.frames",
+        "compression/u.py:1: compression -> bench",
+        "compression/v.py:1: compression -> node.model",
+        "node/model/loading.py:2: node -> bench.emulated",
+        "node/x.py:1: node -> bench",
+        "node/y.py:1: node -> bench",
+        "node/z.py:2: node -> bench.harness",
+        "protocol/frames.py:1: protocol -> node.stage",
+        "protocol/w.py:1: protocol -> bench.harness",
+    ], found
+    # what the layers allow: node -> protocol -> compression, relative imports within a package
+    allowed = {
+        "node/a.py": "import protocol.frames\nfrom compression import codec\n",
+        "protocol/b.py": "from compression.codec import LinkCodec\nfrom . import frames\n",
+        "compression/c/d.py": "from .. import codec\n",
+    }
+    assert layer_violations(allowed) == []
+
+
 def test_layers_point_one_way():
-    graph = import_graph()
-    for mod, deps in graph.items():
-        top = mod.split(".")[0]
-        if top == "compression":
-            assert not {d for d in deps if d.split(".")[0] in ("node", "protocol", "bench")}, (mod, deps)
-        if top == "protocol":
-            assert not {d for d in deps if d.split(".")[0] in ("node", "bench")}, (mod, deps)
-        if top == "node":  # bench drives node from outside; the one way back is the harness's
-            # emulated compute, which a node builds when told `--model emulate:...`
-            assert {d for d in deps if d.split(".")[0] == "bench"} <= {"bench.emulated"}, (mod, deps)
+    """compression/ imports no protocol, node or bench; protocol/ no node or bench; node/ no bench."""
+    found = layer_violations(layer_sources())
+    assert not found, "imports against the layers: " + "; ".join(found)
 
 
 # The rooms of node/ and which rooms each may import (docs/ARCHITECTURE.md draws the same picture).

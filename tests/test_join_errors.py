@@ -79,3 +79,18 @@ def test_stage_that_does_not_fit_is_refused_in_one_line(tmp_path):
     assert p.returncode != 0
     assert "Traceback" not in p.stderr
     assert "--max-memory" in p.stderr.strip().splitlines()[-1]
+
+
+def test_lora_targets_of_no_layer_are_refused_before_the_run_is_published(tmp_path):
+    """Found once the model's skeleton is known, before the run record: one line naming the layers
+    (it was ``error: AdapterError: ...`` once the stage had loaded)."""
+    p, _ = _join(
+        "--model", "tiny", "--stages", "1", "--finetune", "lora", "--lora-targets", "nope_proj",
+        "--state-dir", str(tmp_path), "--join-timeout", "5",
+    )  # fmt: skip
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" not in p.stderr and "AdapterError" not in p.stderr, p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --lora-targets 'nope_proj' names no linear layer"), p.stderr
+    assert "q_proj" in last
+    assert "started swarm" not in p.stdout

@@ -19,6 +19,7 @@ a peft adapter directory without knowing how the run was split.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import re
 
@@ -26,6 +27,22 @@ import torch
 from torch import nn
 
 from protocol.settings import FinetuneSettings
+
+
+class _NoKernelsHint(logging.Filter):
+    """``import peft`` imports bitsandbytes, whose CPU backend, on a CPU with AVX512-BF16, looks for
+    an optional fused 4-bit kernel through the ``kernels`` package (which fetches kernel code from
+    the Hugging Face Hub; not a dependency here) and logs a warning when it is absent, on every
+    import, NF4 in use or not. Without it bitsandbytes uses its own CPU kernels (``--base-dtype nf4``
+    on a CPU still works), so the line, the last one ``make demo`` printed, told users nothing they
+    could act on. Only that record of that logger is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
+
+
+# before any import of peft (every one is in this module's functions)
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NoKernelsHint())
 
 ADAPTER = "default"  # peft's name for the one adapter a stage holds
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")

@@ -308,7 +308,15 @@ def check_model(model: str, mode: str | None = "finetune") -> None:
     node.local.launcher), in one ``ModelError`` line: a malformed tiny spec, a missing or incomplete
     directory, an uncached Hub id offline (a Hub id is fetched here, before any daemon starts).
     ``mode`` None: not known yet (a joiner reads it from the run), so a config is enough."""
-    if model == "emulate" or model.startswith("emulate:") or (mode != "finetune" and model == SMALL):
+    if model == "emulate" or model.startswith("emulate:"):
+        from node.model.emulated import parse_spec
+
+        try:
+            parse_spec(model)
+        except ValueError as e:  # was raised only once p2pd had started
+            raise ModelError(str(e)) from None
+        return
+    if mode != "finetune" and model == SMALL:
         return
     if model == TINY or model.startswith("tiny:"):
         if not _TINY.match(model):
@@ -335,8 +343,8 @@ def load_model(model: str, seed: int = 0):
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     if model == "emulate" or model.startswith("emulate:"):
-        # emulated compute for the bandwidth harness (bench/emulated.py): real-size activations, sleeps
-        from bench.emulated import load_emulated
+        # emulated compute for the bandwidth harness (node/model/emulated.py): real-size activations, sleeps
+        from node.model.emulated import load_emulated
 
         return load_emulated(model, seed=seed)
     if model == TINY or model.startswith("tiny:"):
