@@ -33,7 +33,7 @@ from pathlib import Path
 from bench.netns import NetnsUnavailable, Topology, check_support, leftover_namespaces, parse_rate
 from node.argv import config_to_argv
 from node.config import NodeConfig
-from node.stage.links import LONG_FRAME_LAYOUT, lowrank_layout
+from node.stage.links import lowrank_layout, pinned_layout_flags
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -106,6 +106,10 @@ def model_spec(a) -> str:
     return a.model or f"emulate:{a.hidden}:{a.layers}:{a.us_per_token_layer:g}:256:{a.gpu}"
 
 
+def layout(a) -> dict:
+    return lowrank_layout(a.microbatch * a.seq_len, emulated=a.mode == "emulated")
+
+
 def join_command(
     a,
     v: Variant,
@@ -153,11 +157,12 @@ def join_command(
         seed=a.seed,
         lr=a.lr,
         # the lowrank layout a GPU starter's frames get (these nodes run on a CPU, which would
-        # resolve the short-frame one); another codec ignores it, and a node refuses it there
-        **(lowrank_layout(a.microbatch * a.seq_len) if v.codec == "lowrank" else {}),
+        # resolve the short-frame one; emulated links send the tiered one); another codec ignores
+        # it, and a node refuses it there
+        **(layout(a) if v.codec == "lowrank" else {}),
     )
     pinned = ("model", "stages", "codec", "mask_rate", "wire_dtype", "seq_len", "microbatch", "batch_tokens")
-    pinned += tuple(LONG_FRAME_LAYOUT)
+    pinned += pinned_layout_flags(cfg)
     cmd = [sys.executable, "-m", "node", "join", *config_to_argv(cfg, always=(*pinned, "seed", "lr"))]
     cmd += shlex.split(a.node_args or "")
     if peers:

@@ -120,6 +120,8 @@ def sample(run: Run, t0: float, stages: int) -> dict:
             "ready": bool(x.get("inner_step", 0) > 0 or x.get("microbatches", 0) > 0),
             "trained_tokens": x.get("trained_tokens", 0),
             "dropped": x.get("dropped_microbatches", 0),
+            "held": x.get("held_microbatches", 0),
+            "sent": (x.get("sent") or {}).get("bytes", {}),
             "microbatches": x.get("microbatches", 0),
             "committed": sum(1 for r in rounds if not r.get("skipped")),
             "skipped": sum(1 for r in rounds if r.get("skipped")),
@@ -216,6 +218,19 @@ def run_swarm(label: str, net: VolunteerNet, out: Path, a) -> Run:
     return run
 
 
+def sent_per_token(nodes) -> dict[str, float]:
+    """Bytes the last-seen nodes sent, by kind and in total, per token the tails trained."""
+    from node.stage.metrics import bytes_per_token
+
+    kinds: dict[str, int] = {}
+    for n in nodes:
+        for k, v in n.get("sent", {}).items():
+            kinds[k] = kinds.get(k, 0) + v
+    tails = [n for n in nodes if n.get("stage") == max((m.get("stage") or 0) for m in nodes)]
+    per = bytes_per_token(kinds, sum(n["trained_tokens"] for n in tails))
+    return {k: round(v, 1) for k, v in per.items()}
+
+
 def dropped_in(run: Run, warm_s: float) -> int:
     """Microbatches dropped after ``warm_s`` (the swarm formed): each node's count at its last
     reading less its count at its first reading after ``warm_s``."""
@@ -298,6 +313,10 @@ def summarize(run: Run, a, warm_s: float) -> dict:
         "series": [[round(t, 1), round(r, 1)] for t, r in series],
         "dropped": dropped_in(run, warm_s),
         "dropped_all": sum(n["dropped"] for n in last_seen.values()),
+        # tries of a microbatch that waited for an empty next stage instead of being dropped
+        "held_all": sum(n.get("held", 0) for n in last_seen.values()),
+        # bytes every node sent, by kind (node.stage.metrics.sent_bytes), per token the tails trained
+        "sent_per_token": sent_per_token(last_seen.values()),
         "in_flight_bound": bound,
         "outer_rounds": {
             str(k): v for k, v in sorted(rounds.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))

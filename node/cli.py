@@ -480,7 +480,8 @@ def resolve_defaults(args: argparse.Namespace) -> None:
         return
     asked = (*LAYOUT_FLAGS, "lowrank_backward_bits", "pca_dtype", "lowrank_basis")
     mine = {n: getattr(args, n) for n in asked if n in given(args)}
-    for name, value in lowrank_layout(args.microbatch_tokens, args.link, mine).items():
+    emulated = str(args.model or "").startswith("emulate:")  # node.stage.emulated: no entropy coding
+    for name, value in lowrank_layout(args.microbatch_tokens, args.link, mine, emulated).items():
         setattr(args, name, value)  # "link" too: auto becomes the layout's name
 
 

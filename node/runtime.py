@@ -35,7 +35,7 @@ from node.stage.compute import Compute
 from node.stage.context import StageContext
 from node.stage.hop import HANDLER, HopClient, HopFailed, gone_peers
 from node.stage.linkio import LinkIO
-from node.stage.metrics import Metrics
+from node.stage.metrics import Metrics, bytes_per_token, sent_bytes
 from node.stage.pipeline import Pipeline
 from node.stage.server import ForwardServer
 from node.stage.state import StageState
@@ -187,6 +187,12 @@ class StageRuntime(Lifecycle):
         return built
 
     def metrics_dict(self) -> dict:
+        out = self._counters()
+        sent = sent_bytes(out)  # what this node sent, by kind, and per token it trained
+        out["sent"] = {"bytes": sent, "per_token": bytes_per_token(sent, self.metrics.trained_tokens)}
+        return out
+
+    def _counters(self) -> dict:
         m, bases = self.metrics, self.bases
         return {
             "peer_id": self.peer_id,
@@ -200,6 +206,7 @@ class StageRuntime(Lifecycle):
             "dropped_microbatches": m.dropped,
             "rejected_frames": m.rejected_frames,
             "skipped_steps": m.skipped_steps,
+            "held_microbatches": m.held,  # tries that waited for an empty next stage instead of dropping
             "basis_bytes_fetched": bases.bytes_fetched if bases else 0,
             "anchor_bytes": self.anchor.packet_bytes if self.anchor else 0,
             "anchor_pull_bytes": self.anchor.pull_bytes if self.anchor else 0,
