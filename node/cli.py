@@ -240,6 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="microbatches a head keeps in the pipeline at once (default: %(default)s)",
     )
     s.add_argument(
+        "--eval-every",
+        type=flag_type("eval_every"),
+        default=_CFG_DEFAULTS["eval_every"],
+        metavar="N",
+        help="the tail scores a small held-out set every N of its inner steps, for the dashboard; "
+        "0 = off (default: %(default)s)",
+    )
+    s.add_argument(
         "--hop-timeout",
         type=flag_type("hop_timeout"),
         default=_CFG_DEFAULTS["hop_timeout"],

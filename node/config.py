@@ -644,6 +644,15 @@ class NodeConfig:
         min=0,
         group=NODE,
     )  # inner steps between checkpoints (and one at exit); 0 = never
+    eval_every: int = opt(
+        50,
+        help="a tail scores the loss of a small held-out set of --data (examples a head with this "
+        "flag above 0 leaves out of its training data) every N of its inner steps, beside training, "
+        "and the dashboard charts it; 0 = off; give every node the same value and --data, as `swarm` "
+        "does (default: %(default)s)",
+        min=0,
+        group=NODE,
+    )  # node.stage.heldout: scored in a task and a thread of its own, never in the step
     keep_checkpoints: int = opt(
         2,
         help="complete checkpoints kept per stage; older ones are deleted once a newer one is on disk "

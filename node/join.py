@@ -73,6 +73,7 @@ from node.stage.basis import (
     calibrate_rotations_stagewise,
     calibrate_stagewise,
 )
+from node.stage.heldout import training_examples
 from node.stage.links import build_codec, codec_settings
 from node.stop_signal import StopRequest
 from node.swarm.membership import (
@@ -542,6 +543,8 @@ def run_join(cfg: NodeConfig) -> int:
             if index == 0:
                 tok = tok or ByteTokenizer(stage.config.vocab_size)
                 examples = load_examples(cfg.data, seed=run.seed)
+                # --eval-every: the examples a tail scores as held out are never drawn here
+                examples = training_examples(examples, run.seed, cfg.eval_every)
                 if run.mode == "pretrain":  # next-token loss on every position
                     examples = as_plain_text(examples)
                 seed = zlib.crc32(peer_id.encode())

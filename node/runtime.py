@@ -201,6 +201,8 @@ class StageRuntime(Lifecycle):
             "role": "head" if self.is_head else "tail" if self.is_tail else "body",
             "inner_step": self.inner_step,
             "step_losses": m.step_losses,
+            "eval_every": m.eval_every,  # a tail's held-out loss (node.stage.heldout); 0: not scored
+            "eval_losses": [list(x) for x in m.eval_losses],  # [inner step, held-out loss]
             "trained_tokens": m.trained_tokens,
             "microbatches": m.microbatches,
             "dropped_microbatches": m.dropped,

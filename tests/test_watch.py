@@ -231,7 +231,7 @@ def _state(steps: int = 5, unreachable: dict | None = None) -> dict:
         "t": _reply(_metrics("t", 1, "tail", steps)),
     }
     unreachable = {"x": "bad metrics reply: not a msgpack frame"} if unreachable is None else unreachable
-    return st.build_state(_run(), stages, nodes, unreachable, [], 1.0, tokens_per_s=12.0)
+    return st.build_state(_run(), stages, nodes, unreachable, [], 1.0, rates={"h": 10.0, "t": 12.0})
 
 
 def test_the_state_marks_unreachable_peers_and_carries_the_tails_loss():
@@ -242,6 +242,7 @@ def test_the_state_marks_unreachable_peers_and_carries_the_tails_loss():
     assert s["bottleneck"] == 0 and s["stages"][0]["bottleneck"]
     assert list(s["loss"]) == ["t"] and len(s["loss"]["t"]["values"]) == 5
     assert s["training"]["tokens_per_s"] == 12.0 and s["dp"]["committed"] == 2
+    assert [x["tokens_per_s"] for x in s["stages"]] == [10.0, 12.0]  # x is unreachable: not counted
     json.dumps(s)  # what /api/state serves
 
 

@@ -161,6 +161,8 @@ def build_report(metrics: list[dict], n_stages: int, **extra) -> dict:
     return {
         **extra,
         "loss": merge_losses([m["step_losses"] for m in tails]),
+        # --eval-every: each tail's live held-out losses, [inner step, loss] (node.stage.heldout)
+        "heldout_loss": {m["peer_id"]: m["eval_losses"] for m in tails if m.get("eval_losses")},
         "tokens": sum(m["trained_tokens"] for m in tails),
         "links": sum_links(fast),
         "anchor_links": sum_links(anchors),  # the anchors' own dense pipeline

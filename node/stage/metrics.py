@@ -26,6 +26,9 @@ class Metrics:
     def __init__(self) -> None:
         self.links: dict[tuple[int, str], LinkCount] = defaultdict(LinkCount)
         self.step_losses: list[float] = []  # tail: mean loss of each inner step
+        # tail with --eval-every: (inner step, held-out loss) of each score (node.stage.heldout)
+        self.eval_losses: list[tuple[int, float]] = []
+        self.eval_every = 0  # how often this node scores the held-out set; 0: it does not
         self._pending_losses: list[tuple[float, int]] = []
         self.trained_tokens = 0
         self.microbatches = 0

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from node.stage.context import StageContext
+from node.stage.heldout import HeldOut
 
 log = logging.getLogger("node")
 
@@ -111,6 +112,8 @@ class Stepper:
         self.ctx, self.gate, self.strategy, self.checkpoint = ctx, gate, strategy, checkpoint
         self.tokens = 0
         self.microbatches = 0
+        # a fast tail with --eval-every: the held-out loss, scored beside the steps, never in them
+        self.heldout = HeldOut.for_stage(ctx)
 
     def account(self, tokens: int, loss: float | None, n_loss: int) -> None:
         """A microbatch's gradients are in (its reply may go upstream now; the step comes after)."""
@@ -136,6 +139,8 @@ class Stepper:
         self.tokens = self.microbatches = 0
         ctx.inner_step = result.step + 1
         m.close_step()
+        if self.heldout is not None:
+            self.heldout.after_step(ctx.inner_step)  # starts a task at most; the step goes on
         every = ctx.cfg.checkpoint_every
         if every and ctx.inner_step % every == 0 and self.checkpoint is not None:
             await self.checkpoint()

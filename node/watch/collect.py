@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from node.net.wire import Wire
 from node.swarm.membership import dht_call, read_stage_records
-from node.watch.state import EVENTS_KEPT, Seen, build_state, diff_events, seen
+from node.watch.state import EVENTS_KEPT, Rates, Seen, build_state, diff_events, seen
 from node.watch.stream import MetricsError, MetricsServer, fetch, parse_reply
 from protocol.records import RecordError, RunRecord, run_key
 
@@ -45,7 +45,7 @@ class Collector:
         self.events: list[dict] = []
         self._seen: Seen | None = None
         self._known: set[str] = set()
-        self._tokens: tuple[float, int] | None = None  # (time, tails' trained tokens) at the last poll
+        self.rates = Rates()  # each node's trained tokens/s, from its own counter
         self.state: dict = build_state(None, [], {}, {}, [], clock())
         self.polls = 0
 
@@ -86,17 +86,10 @@ class Collector:
         self.events = (self.events + diff_events(self._seen, now, t, self._known))[-EVENTS_KEPT:]
         self._seen = now
         self._known |= now.keys()
-        self.state = build_state(self.run, stages, nodes, unreachable, self.events, t, self._rate(nodes, t))
+        rates = self.rates.update(nodes)
+        self.state = build_state(self.run, stages, nodes, unreachable, self.events, t, rates)
         self.polls += 1
         return self.state
-
-    def _rate(self, nodes: dict[str, dict], t: float) -> float | None:
-        """Tokens the tails trained per second since the last poll (None on the first)."""
-        tokens = sum(m["trained_tokens"] for m in nodes.values() if m["role"] == "tail")
-        last, self._tokens = self._tokens, (t, tokens)
-        if last is None or t <= last[0] or tokens < last[1]:  # a tail that left takes its count along
-            return None
-        return (tokens - last[1]) / (t - last[0])
 
     async def run_until(self, stop: asyncio.Event, every: float = POLL_S) -> None:
         while not stop.is_set():

@@ -60,6 +60,13 @@ class _State(Collector):
             if m["losses"]:
                 loss.add_metric(values(m), m["losses"][-1])
         yield loss
+        held = GaugeMetricFamily(
+            "vnode_heldout_loss", "a tail's latest held-out loss (--eval-every)", labels=labels
+        )
+        for m in nodes.values():
+            if m.get("eval_losses"):
+                held.add_metric(values(m), m["eval_losses"][-1])
+        yield held
         link = ["peer", "boundary", "direction"]
         sent = CounterMetricFamily(
             "vnode_link_bytes", "bytes this node wrote on a pipeline link", labels=link

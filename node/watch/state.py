@@ -4,17 +4,26 @@
 reason it could not be read) into the JSON that ``/api/state`` serves and the page draws;
 ``bottleneck`` marks the slowest stage; ``diff_events`` turns two polls' stage records into
 joins, leaves, moves and readiness changes, since the swarm publishes no event log of its own;
-``replica_distance`` estimates how far a stage's replicas have drifted apart.
+``replica_distance`` estimates how far a stage's replicas have drifted apart; ``Rates`` turns
+each node's own token counter, sampled at every poll, into the tokens/s it trains.
+
+Two throughputs, not to be confused: a stage record's ``throughput`` is the rate of the stage's
+own compute (tokens per second of forward and backward, an average of its last microbatches,
+announced for routing), which does not include waiting for the other stages and keeps its last
+value while the stage idles; ``tokens_per_s`` is what was trained: the rise of the nodes'
+``trained_tokens`` counters over the last ``RATE_WINDOW_S`` seconds of their own clocks.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 
 from node.swarm.rebalance import stage_throughputs
 from protocol.records import RunRecord, StageRecord
 
 EVENTS_KEPT = 200  # the page lists the latest; a long run must not grow the state without bound
+RATE_WINDOW_S = 10.0  # tokens/s over this much of a node's time: a step's tokens land at once
 
 Seen = dict[str, tuple[int, bool]]  # peer -> (stage, ready) at one poll
 
@@ -57,6 +66,59 @@ def diff_events(before: Seen | None, after: Seen, t: float, known: set[str]) -> 
         elif r0 != r1:
             out.append(_event(t, "ready" if r1 else "not ready", pid, s1))
     return out
+
+
+class Rates:
+    """Tokens/s each node trains, from its own ``trained_tokens`` counter: the rise between the
+    oldest and the newest of its samples within ``window`` seconds of the node's own clock (the
+    ``time`` of its metrics snapshot, so a reply cached for a second or a slow poll does not skew
+    it). None until a node has two samples of different times; a counter that went back (the node
+    restarted, or moved to another stage) starts the node's samples afresh."""
+
+    def __init__(self, window: float = RATE_WINDOW_S) -> None:
+        self.window = window
+        self._samples: dict[str, deque[tuple[float, int]]] = {}
+
+    def update(self, nodes: Mapping[str, dict]) -> dict[str, float | None]:
+        """Add one poll's metrics; each of those nodes' tokens/s (peers not in ``nodes`` are
+        forgotten: one that answers again starts afresh)."""
+        for pid in self._samples.keys() - nodes.keys():
+            del self._samples[pid]
+        out: dict[str, float | None] = {}
+        for pid, m in nodes.items():
+            t, n = float(m["time"]), int(m["trained_tokens"])
+            q = self._samples.setdefault(pid, deque())
+            if q and (n < q[-1][1] or t < q[-1][0]):
+                q.clear()
+            if not q or t > q[-1][0]:  # the same snapshot twice adds nothing
+                q.append((t, n))
+            while len(q) > 2 and q[1][0] <= t - self.window:
+                q.popleft()
+            (t0, n0), (t1, n1) = q[0], q[-1]
+            out[pid] = (n1 - n0) / (t1 - t0) if t1 > t0 else None
+        return out
+
+
+# what a peer's inner step counts, by role: each is one optimizer step of that node, taken once the
+# microbatches it computed since its last step reach the run's batch_tokens
+STEP_MEANING = {
+    "head": "its optimizer steps, each on at least {b} tokens of microbatches it drew and sent down",
+    "middle": "its optimizer steps, each on at least {b} tokens of microbatches it served",
+    "tail": "its optimizer steps, each on at least {b} tokens whose loss it computed (the loss chart's x)",
+    "head+tail": "its optimizer steps, each on at least {b} tokens of microbatches it drew and scored",
+}
+
+
+def stage_role(index: int, n_stages: int) -> str:
+    """head, middle or tail; a one-stage run's stage is both ends (its nodes call themselves head)."""
+    if n_stages == 1:
+        return "head+tail"
+    return "head" if index == 0 else "tail" if index == n_stages - 1 else "middle"
+
+
+def _sum(values: list[float | None]) -> float | None:
+    got = [v for v in values if v is not None]
+    return sum(got) if got else None
 
 
 def reach(maddrs: list[str], record_reach: str = "direct") -> str:
@@ -160,11 +222,13 @@ def build_state(
     unreachable: Mapping[str, str],
     events: list[dict],
     t: float,
-    tokens_per_s: float | None = None,
+    rates: Mapping[str, float | None] | None = None,
 ) -> dict:
     """The JSON of ``/api/state``: ``nodes`` holds each reachable peer's metrics
     (``node.watch.stream.parse_reply``), ``unreachable`` why the others could not be read;
-    ``tokens_per_s``: the tails' trained tokens per second between the last two polls."""
+    ``rates``: each peer's trained tokens/s (``Rates.update``). A stage's tokens/s is the sum over
+    its fast peers that have one (None when none has); the run's is its last stage's: the tokens
+    that came through the whole pipeline. Unknown is None (the page shows "-"), never 0."""
     if run is None:
         return {
             "time": t,
@@ -173,8 +237,10 @@ def build_state(
             "events": events[-EVENTS_KEPT:],
             "error": "no run record",
         }
+    rates = rates or {}
+    n_stages = len(run.stages)
     neck = bottleneck(stages)
-    rates = stage_throughputs(list(stages)) if stages else []
+    computes = stage_throughputs(list(stages)) if stages else []
     view = []
     for i, stage in enumerate(stages):
         peers = []
@@ -186,8 +252,10 @@ def build_state(
                     "circuit": r.circuit,
                     "ready": r.ready,
                     "throughput": r.throughput,
+                    "tokens_per_s": rates.get(pid) if m else None,
                     "queue": r.queue,
-                    "inner_step": r.inner_step,
+                    # its metrics' count when it answered: the record's is up to a heartbeat old
+                    "inner_step": m["inner_step"] if m else r.inner_step,
                     "reachable": m is not None,
                     "error": unreachable.get(pid, ""),
                     "device": m["device"] if m else "",
@@ -202,17 +270,22 @@ def build_state(
                 }
             )
         start, end = run.stages[i] if i < len(run.stages) else (0, 0)
+        role = stage_role(i, n_stages)
         view.append(
             {
                 "index": i,
                 "layers": [start, end],
-                "throughput": rates[i],
+                "role": role,
+                "steps_count": STEP_MEANING[role].format(b=run.batch_tokens),
+                "throughput": computes[i],  # announced compute rate (the bottleneck's measure)
+                "tokens_per_s": _sum([p["tokens_per_s"] for p in peers if p["circuit"] == "fast"]),
                 "bottleneck": i == neck,
                 "peers": peers,
             }
         )
-    tails = {pid: m for pid, m in nodes.items() if m["role"] == "tail" and m.get("circuit", "fast") == "fast"}
-    fast = [m for m in nodes.values() if m.get("circuit", "fast") == "fast"]
+    fast = {pid: m for pid, m in nodes.items() if m.get("circuit", "fast") == "fast"}
+    # the last stage's nodes, by index: a one-stage run's nodes are heads and tails at once
+    tails = {pid: m for pid, m in fast.items() if m["stage"] == n_stages - 1}
     distances = replica_distance(nodes)
     return {
         "time": t,
@@ -222,22 +295,29 @@ def build_state(
         "loss": {
             pid: {"first_step": m["losses_first"], "values": m["losses"]} for pid, m in sorted(tails.items())
         },
+        "eval": {
+            pid: {"steps": m.get("eval_steps", []), "values": m.get("eval_losses", [])}
+            for pid, m in sorted(tails.items())
+            if m.get("eval_losses")
+        },
         "training": {
             "tokens": sum(m["trained_tokens"] for m in tails.values()),
-            "tokens_per_s": tokens_per_s,
+            "tokens_per_s": view[-1]["tokens_per_s"] if len(view) == n_stages and n_stages else None,
+            "rate_window_s": RATE_WINDOW_S,
             "dropped_microbatches": sum(m["dropped_microbatches"] for m in nodes.values()),
             "rejected_frames": sum(m["rejected_frames"] for m in nodes.values()),
             "inner_step": max((m["inner_step"] for m in tails.values()), default=0),
-            "eval_loss": None,  # nodes do not evaluate while they train; `swarm --eval` scores after
+            "tail_steps_count": STEP_MEANING[stage_role(n_stages - 1, n_stages)].format(b=run.batch_tokens),
+            **eval_summary(tails),
         },
         "links": link_rows(nodes, run),
         "dp": {
             "mode": run.dp.mode,
             "outer_every": run.outer.every,
-            "committed": sum(m["outer_committed"] for m in fast),
-            "skipped": sum(m["outer_skipped"] for m in fast),
-            "bytes": sum(m["outer_bytes"] for m in fast),
-            "dense_bytes": sum(m["outer_dense_bytes"] for m in fast),
+            "committed": sum(m["outer_committed"] for m in fast.values()),
+            "skipped": sum(m["outer_skipped"] for m in fast.values()),
+            "bytes": sum(m["outer_bytes"] for m in fast.values()),
+            "dense_bytes": sum(m["outer_dense_bytes"] for m in fast.values()),
             # estimated from a sample of each replica's weights; the run's report measures it exactly
             "replica_distance": max(distances.values(), default=None),
             "replica_distance_by_stage": {str(k): v for k, v in distances.items()},
@@ -245,4 +325,19 @@ def build_state(
         "nodes": dict(sorted(nodes.items())),
         "unreachable": dict(sorted(unreachable.items())),
         "events": events[-EVENTS_KEPT:],
+    }
+
+
+def eval_summary(tails: Mapping[str, dict]) -> dict:
+    """The live held-out loss (``--eval-every``, node.stage.heldout): the newest a tail scored
+    (the most advanced tail's, when replicas score apart), its step, and how often tails score
+    (0: none does)."""
+    latest = max(
+        ((m["eval_steps"][-1], m["eval_losses"][-1]) for m in tails.values() if m.get("eval_losses")),
+        default=None,
+    )
+    return {
+        "eval_loss": latest[1] if latest else None,
+        "eval_step": latest[0] if latest else None,
+        "eval_every": max((m.get("eval_every", 0) for m in tails.values()), default=0),
     }

@@ -5,7 +5,8 @@ in the stage records. The request and the reply go through the node's ``Wire`` (
 swarm key when the run has one) and the server side is ``node.net.serve``'s, like every handler.
 
 Bounded both ways: a request is a frame without tensors (``REQUEST_BYTES``), a reply at most
-``REPLY_BYTES``, with at most ``LOSS_KEPT`` losses, ``LINKS_KEPT`` links and ``PROBE_N`` sampled
+``REPLY_BYTES``, with at most ``LOSS_KEPT`` losses, ``EVAL_KEPT`` held-out losses (a tail's, with
+their steps: ``node.stage.heldout``), ``LINKS_KEPT`` links and ``PROBE_N`` sampled
 weights (``node.watch.probe``). The reply is the
 node's ``metrics_dict`` at most ``CACHE_S`` old: a visitor that asks in a loop costs one
 snapshot a second, not one per request (the rate limit). The asker checks everything it was
@@ -36,6 +37,7 @@ REQUEST_BYTES = 1024
 REPLY_BYTES = 64 * 1024  # 512 losses (2 KiB) + links + ~30 scalars fit many times over
 LOSS_KEPT = 512  # the last inner steps' losses sent; the chart needs the trend, not all of it
 LINKS_KEPT = 64
+EVAL_KEPT = 128  # the last held-out losses a tail scored (one every --eval-every steps)
 CACHE_S = 1.0
 DIRECTIONS = ("forward", "backward")
 
@@ -61,6 +63,7 @@ INTS = (
     "losses_first",
     "probe_size",
     "relayed_bytes",
+    "eval_every",
 )
 FLOATS = ("throughput", "compute_s", "time")
 STRS = ("peer_id", "role", "circuit", "device", "dp_mode", "connections")
@@ -79,7 +82,7 @@ def connections_summary(kinds: dict) -> str:
 
 def flatten(m: dict) -> tuple[dict, list[float], list[list[int]]]:
     """``metrics_dict`` -> (the scalars that travel, the last losses, link rows
-    [boundary, direction, bytes, tokens])."""
+    [boundary, direction, bytes, tokens]); the held-out losses travel apart (``eval_rows``)."""
     rounds = m.get("outer_rounds", [])
     memory = m.get("memory") or {}
     losses = list(m.get("step_losses", []))
@@ -107,9 +110,16 @@ def flatten(m: dict) -> tuple[dict, list[float], list[list[int]]]:
     return scalars, kept, links
 
 
+def eval_rows(m: dict) -> tuple[list[int], list[float]]:
+    """The last ``EVAL_KEPT`` held-out losses of ``m`` ([step, loss] pairs), as (steps, losses)."""
+    rows = [(int(s), float(v)) for s, v in m.get("eval_losses", [])[-EVAL_KEPT:] if math.isfinite(v)]
+    return [s for s, _ in rows], [v for _, v in rows]
+
+
 def reply_frame(m: dict, run_id: str, probe: Probe | None = None) -> Frame:
     """The reply: ``m`` (a ``metrics_dict``) flattened, with ``probe``'s sample of the weights."""
     scalars, losses, links = flatten(m)
+    eval_steps, eval_losses = eval_rows(m)
     size, sample = probe.sample() if probe is not None else (0, torch.zeros(0))
     return Frame(
         kind="metrics",
@@ -119,6 +129,8 @@ def reply_frame(m: dict, run_id: str, probe: Probe | None = None) -> Frame:
             "losses": torch.tensor(losses, dtype=torch.float32),
             "links": torch.tensor(links, dtype=torch.int64).reshape(-1, 4),
             "probe": sample.to(torch.float32),
+            "eval_steps": torch.tensor(eval_steps, dtype=torch.int64),
+            "eval_losses": torch.tensor(eval_losses, dtype=torch.float32),
         },
         meta={**scalars, "probe_size": size},
     )
@@ -144,6 +156,18 @@ def parse_reply(data: bytes, run_id: str) -> dict:
         raise MetricsError("losses must be at most LOSS_KEPT float32 values")
     if links.dtype != torch.int64 or links.dim() != 2 or links.shape[1] != 4 or links.shape[0] > LINKS_KEPT:
         raise MetricsError("links must be an int64 table of [boundary, direction, bytes, tokens]")
+    # held-out losses: absent from a node that scores none (or predates them)
+    eval_steps = frame.tensors.get("eval_steps", torch.zeros(0, dtype=torch.int64))
+    eval_losses = frame.tensors.get("eval_losses", torch.zeros(0))
+    if (
+        eval_steps.dtype != torch.int64
+        or eval_losses.dtype != torch.float32
+        or eval_steps.dim() != 1
+        or eval_steps.shape != eval_losses.shape
+        or eval_steps.numel() > EVAL_KEPT
+        or bool((eval_steps < 0).any())
+    ):
+        raise MetricsError("held-out losses must be at most EVAL_KEPT float32 values with int64 steps")
     out: dict = {}
     for keys, kind in ((INTS, int), (FLOATS, float), (STRS, str)):
         for k in keys:
@@ -161,6 +185,8 @@ def parse_reply(data: bytes, run_id: str) -> dict:
     ]
     out["losses"] = losses.tolist()  # decode_frame already refused non-finite values
     out["probe"] = probe.tolist()
+    out["eval_steps"] = eval_steps.tolist()
+    out["eval_losses"] = eval_losses.tolist()
     return out
 
 
