@@ -49,6 +49,7 @@ _CODEC_VALUES = {
         )
     },
 }
+SWARM_EVAL_EVERY = 50  # a local swarm's held-out scoring (join's default is off: it pulls weights)
 # the lowrank flags that --lowrank-tiers overrides (its tiers set both directions' directions and bits)
 _TIERED_AWAY = ("codec_k", "lowrank_k_backward", "lowrank_backward_bits")
 
@@ -242,10 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--eval-every",
         type=flag_type("eval_every"),
-        default=_CFG_DEFAULTS["eval_every"],
+        default=SWARM_EVAL_EVERY,
         metavar="N",
-        help="the tail scores a small held-out set every N of its inner steps, for the dashboard; "
-        "0 = off (default: %(default)s)",
+        help="the tail scores a small held-out set every N of its inner steps, for the dashboard (it "
+        "pulls the other stages' weights, free on loopback); 0 = off (default: %(default)s)",
     )
     s.add_argument(
         "--hop-timeout",

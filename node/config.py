@@ -645,11 +645,13 @@ class NodeConfig:
         group=NODE,
     )  # inner steps between checkpoints (and one at exit); 0 = never
     eval_every: int = opt(
-        50,
+        0,
         help="a tail scores the loss of a small held-out set of --data (examples a head with this "
         "flag above 0 leaves out of its training data) every N of its inner steps, beside training, "
-        "and the dashboard charts it; 0 = off; give every node the same value and --data, as `swarm` "
-        "does (default: %(default)s)",
+        "and the dashboard charts it; each score pulls the other stages' weights (bf16, adapters only "
+        "under LoRA) at most every 20 s, so it is off on a joined node unless asked for and on in "
+        "`swarm` (loopback); 0 = off; give every node the same value and --data, as `swarm` does "
+        "(default: %(default)s)",
         min=0,
         group=NODE,
     )  # node.stage.heldout: scored in a task and a thread of its own, never in the step
