@@ -8,8 +8,8 @@
 #   2. torch-cuda   torch / CUDA / cuDNN versions, the device, bf16 support and one bf16 matmul figure
 #                   (OUT_DIR/torch_cuda.json); fails when torch sees no CUDA device
 #   3. swarm        python -m node swarm --nodes 3 --stages 2 --steps 20 --device cuda --report OUT_DIR/swarm
-#   4. micro        python -m bench.micro --device cuda --out OUT_DIR/micro.json (codec / filter / PowerSGD
-#                   micro-benchmarks); reported as absent, not failed, when bench/micro.py is not there
+#   4. micro        python -m bench.compute.micro --device cuda --out OUT_DIR/micro.json (codec / filter / PowerSGD
+#                   micro-benchmarks); reported as absent, not failed, when bench/compute/micro.py is not there
 # OUT_DIR/gpu_check.txt collects versions, the GPU, and each step's exit code and duration. It is written
 # as the steps finish, so a run cut short by the time limit still leaves what it had.
 #
@@ -182,12 +182,12 @@ run_step swarm "$swarm_limit" "$PY" -m node swarm --nodes 3 --stages 2 --steps 2
     --timeout "$((swarm_limit > 60 ? swarm_limit - 30 : swarm_limit))" --report "$OUT_DIR/swarm"
 
 # 4. Codec / filter / PowerSGD micro-benchmarks, when this checkout has them.
-if "$PY" -c 'import importlib.util, sys; sys.exit(0 if importlib.util.find_spec("bench.micro") else 3)' \
+if "$PY" -c 'import importlib.util, sys; sys.exit(0 if importlib.util.find_spec("bench.compute.micro") else 3)' \
     2>/dev/null; then
-    run_step micro "${GPU_CHECK_MICRO_TIMEOUT:-150}" "$PY" -m bench.micro --device cuda --out "$OUT_DIR/micro.json"
+    run_step micro "${GPU_CHECK_MICRO_TIMEOUT:-150}" "$PY" -m bench.compute.micro --device cuda --out "$OUT_DIR/micro.json"
 else
-    echo "!! bench.micro is not in this checkout (bench/micro.py): micro-benchmarks not run" >&2
-    record "step.micro.exit" "absent (no bench/micro.py in this checkout; not counted as a failure)"
+    echo "!! bench.compute.micro is not in this checkout (bench/compute/micro.py): micro-benchmarks not run" >&2
+    record "step.micro.exit" "absent (no bench/compute/micro.py in this checkout; not counted as a failure)"
 fi
 
 if [[ ${#FAILED[@]} -eq 0 ]]; then

@@ -215,7 +215,7 @@ class LowRankCodec(LinkCodec):
                 )
         # The backward's own k. Why: a pretrained model's boundary activations are nearly rank-k
         # (top 32 directions leave 1-12% of the centred signal), its boundary gradients are not
-        # (top 64 leave 22-28% at 2048-token frames, top 128 15-19%: bench.grad_struct), so the
+        # (top 64 leave 22-28% at 2048-token frames, top 128 15-19%: bench.quality.grad_struct), so the
         # bytes buy more where the gradient is.
         self.k_backward = int(k_backward)
         # 4-bit backward coefficients, each direction first divided by its RMS over the frame (k

@@ -28,7 +28,7 @@ N replicas in one process):
    per-slice quotas rarely distort the global ranking (see ``next_mask``). With
    ``segments`` (one per parameter tensor) the quota is per tensor as well: first moments
    differ by orders of magnitude between tensors, and one global ranking starves whole
-   tensors (measured in ``bench/subspace_scape.py``).
+   tensors (measured in ``bench/dp/subspace_scape.py``).
 
 Unmasked coordinates (not public in the paper; our choice): **error feedback**. A replica's
 gradient on a coordinate outside M_t is added to its local error buffer e_r instead of
@@ -47,7 +47,7 @@ the accumulated mass is synced and applied. Why:
 * putting e_r in the mask score bounds staleness: a coordinate whose pending gradient
   grows is eventually chosen, instead of starving because its old |m| was small.
 
-Two other policies are kept for comparison (and measured in ``bench/subspace_scape.py``):
+Two other policies are kept for comparison (and measured in ``bench/dp/subspace_scape.py``):
 ``unmasked="drop"`` discards the rest (no error buffer; replicas stay identical), and
 ``unmasked="local"`` applies each replica's own gradient to the coordinates outside the
 mask (a full local AdamS step with the synced mean on the mask): every coordinate moves

@@ -2,7 +2,7 @@
 
 ``add_config_args`` builds the ``join`` flags (help, choices, defaults, ranges) from the fields,
 so a field cannot lack its flag or disagree with it; ``config_to_argv`` writes a config back as
-those flags (``swarm``, bench/harness.py and bench/chaos.py start nodes with it).
+those flags (``swarm``, bench/network/harness.py and bench/reliability/chaos.py start nodes with it).
 
 Every flag's value is checked as it is parsed, in one place: ``field_type`` turns a field's
 metadata (``node.config.opt``: min/max/above/below, parse) into argparse's ``type``, and

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from bench.fuzz import FakeWriter, make_runtime, pack, prefixed, valid_body
+from bench.reliability.fuzz import FakeWriter, make_runtime, pack, prefixed, valid_body
 from node.net.bans import BanList
 from node.net.wire import Wire
 from protocol.auth import sign

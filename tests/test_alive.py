@@ -15,7 +15,7 @@ import types
 
 import pytest
 
-from bench.fuzz import RUN_ID, make_runtime, pack, valid_body
+from bench.reliability.fuzz import RUN_ID, make_runtime, pack, valid_body
 from node.net import alive
 from node.net.alive import ALIVE_HANDLER, handle_alive
 from node.net.wire import Wire

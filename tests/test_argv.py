@@ -190,8 +190,8 @@ def test_lowrank_settings_whose_frames_a_node_would_refuse_are_refused_at_the_fl
 def test_backward_tiers_give_the_backward_its_own_budget_as_the_bench_measured_it():
     """The 20x candidate of bench/results/quality.md is what these flags make a node run: its
     description equals the bench variant's, and the backward frame costs what that variant's does."""
-    from bench.quality_codecs import build_codec as bench_codec
-    from bench.quality_tasks import VARIANTS
+    from bench.quality.quality_codecs import build_codec as bench_codec
+    from bench.quality.quality_tasks import VARIANTS
     from node.cli import FlagError
     from node.stage.links import build_codec, codec_settings
 
@@ -215,8 +215,8 @@ def test_a_uniform_step_link_is_what_the_bench_measured_and_its_contradictions_a
     """``--lowrank-step`` with its k's makes a node run the bench's stepped variant (its description
     equal, its frames equal byte for byte on a word-shaped frame); the flags that contradict it, or
     leave its codes unsized, are refused in one line."""
-    from bench.quality_codecs import build_codec as bench_codec
-    from bench.quality_tasks import VARIANTS
+    from bench.quality.quality_codecs import build_codec as bench_codec
+    from bench.quality.quality_tasks import VARIANTS
     from node.cli import FlagError
     from node.stage.links import build_codec, codec_settings
 
@@ -251,8 +251,8 @@ def test_a_stepped_basis_with_gained_sinks_is_what_the_bench_measured_and_needs_
     ``lowrankq112-96s1v1g8a+er`` and ``lowrankq112-128s1v1g8a+er`` (frames equal byte for byte,
     both directions); a basis step with no coefficient step to size it by, or on a basis that is
     not int8, is refused in one line."""
-    from bench.quality_codecs import build_codec as bench_codec
-    from bench.quality_tasks import VARIANTS
+    from bench.quality.quality_codecs import build_codec as bench_codec
+    from bench.quality.quality_tasks import VARIANTS
     from node.cli import FlagError
     from node.stage.links import build_codec, codec_settings
 
@@ -302,8 +302,8 @@ def test_lowrank_layout_follows_the_frames_the_starter_sends():
     """Long frames (a GPU starter's 2048 tokens) get the stepped ~20x link, the bench's
     ``lowrankq112-128s1v1g8a+er``; ``--link tiered`` keeps the tiers and the sink apart, >= 10x;
     short frames keep the plain 80 directions; a flag the user gives wins."""
-    from bench.quality_codecs import build_codec as bench_codec
-    from bench.quality_tasks import VARIANTS
+    from bench.quality.quality_codecs import build_codec as bench_codec
+    from bench.quality.quality_tasks import VARIANTS
     from compression.registry import make_codec
     from node.stage.links import codec_settings
 
@@ -444,7 +444,7 @@ def test_a_flag_its_setting_ignores_is_refused_in_one_line(flags, match):
 
 
 def test_a_value_flag_at_its_default_with_another_codec_is_taken():
-    """bench/harness.py pins --mask-rate 0.95 for every codec: at the default it changes nothing."""
+    """bench/network/harness.py pins --mask-rate 0.95 for every codec: at the default it changes nothing."""
     assert _checked(["join", "--codec", "dense", "--mask-rate", "0.95"]).codec == "dense"
     assert _checked(["join", "--codec", "mask", "--mask-rate", "0.9"]).mask_rate == 0.9
     # another codec at long frames: no lowrank layout resolved, so a swarm's nodes are not refused

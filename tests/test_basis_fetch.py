@@ -1,6 +1,6 @@
 """A basis fetch passes over a holder that no longer serves bases (node/stage/basis.py).
 
-Found by a soak run (bench/soak.py): a late joiner picked, among the basis holders in the DHT,
+Found by a soak run (bench/reliability/soak.py): a late joiner picked, among the basis holders in the DHT,
 the peer that had just left on SIGTERM (its handlers removed, its record not yet expired).
 p2pd refused the stream with ``ControlFailure: protocols not supported: [vnode.basis]``, which
 the fetch did not catch, and the joiner exited with code 2 instead of asking the next holder.

@@ -2,7 +2,7 @@
 
 Frames written all at once share the uplink and finish together, so a pipeline's forwards and
 backwards take turns on the link instead of overlapping (bench/results/linkprobe.md). The real
-forward server of a tail-stage runtime (bench.fuzz.make_runtime, tiny:2) answers in-memory
+forward server of a tail-stage runtime (bench.reliability.fuzz.make_runtime, tiny:2) answers in-memory
 streams here: while every turn is taken its BACKWARD reply waits, an ERROR reply does not, and
 the reply goes out once a turn is free. Over real p2pd daemons, a hop (node.stage.hop.HopClient) opens
 its stream only on its turn, counts its frame as sent only once written, and completes once it
@@ -15,7 +15,7 @@ import asyncio
 import random
 import types
 
-from bench.fuzz import RUN_ID, FakeWriter, make_runtime, pack, prefixed, valid_body
+from bench.reliability.fuzz import RUN_ID, FakeWriter, make_runtime, pack, prefixed, valid_body
 from node.net.wire import BULK_SLOTS, Wire
 from node.stage.hop import HANDLER, HopClient
 from node.stage.metrics import Metrics

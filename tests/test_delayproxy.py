@@ -1,4 +1,4 @@
-"""The harness's delay proxy (bench/delayproxy.py): it adds latency and keeps throughput.
+"""The harness's delay proxy (bench/network/delayproxy.py): it adds latency and keeps throughput.
 
 On loopback, with no namespaces: an echo server behind a proxy of one-way delay D. A small
 message's round trip must take about 2 D (each direction delayed once), and a long transfer
@@ -12,7 +12,7 @@ import asyncio
 import socket
 import time
 
-from bench.delayproxy import CHUNK, serve
+from bench.network.delayproxy import CHUNK, serve
 
 
 def _free_port() -> int:

@@ -24,7 +24,7 @@ ROOT_FILES = {"README.md", "Makefile", "pyproject.toml"}
 NODE_ROOMS = {"net", "model", "swarm", "stage", "dp", "watch", "local"}
 # Paths the docs name that a run creates, not the tree.
 ALLOW = {
-    "bench/results/volunteer_net",  # bench.volunteer_net's --report prefix: it writes .md, .json and .png
+    "bench/results/volunteer_net",  # bench.network.volunteer_net's --report prefix: .md, .json and .png
 }
 
 FILE_SUFFIXES = {".md", ".py", ".json", ".png", ".yml", ".yaml", ".txt", ".sh", ".toml", ".html", ".jsonl"}

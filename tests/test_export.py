@@ -421,7 +421,7 @@ def test_a_lora_export_holds_one_stage_of_the_base_at_a_time(tmp_path):
     then clone, before merging)."""
     from transformers import LlamaConfig
 
-    from bench.stage_memory import write_random_checkpoint
+    from bench.memory.stage_memory import write_random_checkpoint
 
     config = LlamaConfig(
         vocab_size=8000, hidden_size=512, intermediate_size=1536, num_hidden_layers=12,

@@ -4,7 +4,7 @@ A real tail-stage StageRuntime (tiny:2, no networking) gets random bytes, mutate
 truncated valid frames, huge declared sizes, NaN payloads and wrong shapes/codecs/boundaries
 through ``handle_stream`` and ``serve_forward``. Nothing may escape, nothing may hang, known
 defects get their typed error code, and hostile sizes cost no memory. The harness lives in
-``bench/fuzz.py`` (which runs the same cases at scale). The runtime defects its first run
+``bench/reliability/fuzz.py`` (which runs the same cases at scale). The runtime defects its first run
 found (out-of-range labels, empty dimensions, huge finite values, integer activations) are
 fixed and pinned by the tests at the end.
 """
@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.fuzz import (
+from bench.reliability.fuzz import (
     DEFECTS,
     MUTATION_OPS,
     apply_mutations,
@@ -40,7 +40,7 @@ from protocol.frames import decode_frame
 FUZZ = settings(
     max_examples=150,
     deadline=None,
-    derandomize=True,  # reproducible in CI; bench/fuzz.py explores at random
+    derandomize=True,  # reproducible in CI; bench/reliability/fuzz.py explores at random
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -257,7 +257,7 @@ def test_bans_on_a_peer_sending_garbage_is_cut_off_and_others_still_served():
     unanswered (it costs nothing more), while another peer's valid frame is still served."""
     import types
 
-    from bench.fuzz import FakeWriter
+    from bench.reliability.fuzz import FakeWriter
 
     loop = asyncio.new_event_loop()
     rt = make_runtime(hop_timeout=2.0, codec="pca", bans=True)

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from bench.netns import NetnsUnavailable, check_support, leftover_namespaces
+from bench.network.netns import NetnsUnavailable, check_support, leftover_namespaces
 
 FRAME_BYTES = 4 * 64 * 256 * 2  # the smoke's dense bf16 frame: 4 x 64 tokens x hidden 256
 MAX_INFLIGHT = 4
@@ -48,7 +48,7 @@ def test_capped_smoke(tmp_path):
     for name, flags in runs.items():
         out = tmp_path / name
         procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "bench.harness", *SMOKE, *flags, "--out", str(out),
+            [sys.executable, "-m", "bench.network.harness", *SMOKE, *flags, "--out", str(out),
              "--results", str(tmp_path / f"{name}.json")],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
@@ -140,7 +140,7 @@ def test_emulated_model_pipeline_shapes_hash_and_sleep():
 
 
 def test_text_data_fills_every_sequence(tmp_path):
-    from bench.harness import write_text_data
+    from bench.network.harness import write_text_data
     from node.model.data import ByteTokenizer, load_examples, microbatches
 
     path = tmp_path / "data.txt"
@@ -150,7 +150,7 @@ def test_text_data_fills_every_sequence(tmp_path):
 
 
 def test_ceilings_topology():
-    from bench.harness import build_parser, ceilings
+    from bench.network.harness import build_parser, ceilings
 
     a = build_parser().parse_args(["--nodes", "6", "--stages", "3"])
     a.us_per_token_layer = 5.6
@@ -167,10 +167,10 @@ def test_ceilings_topology():
 
 
 def test_topology_sets_notsent_lowat_in_its_namespaces_only():
-    """bench.linkprobe --notsent-lowat: the sysctl holds inside each node namespace, not the host's."""
+    """bench.network.linkprobe --notsent-lowat: the sysctl holds in each node namespace, not the host's."""
     import os
 
-    from bench.netns import Topology, _run
+    from bench.network.netns import Topology, _run
 
     reason = _support_reason()
     if reason:
@@ -189,7 +189,7 @@ def test_topology_sets_notsent_lowat_in_its_namespaces_only():
 
 
 def test_harness_refuses_in_one_line_without_support(monkeypatch, capsys):
-    import bench.harness as h
+    import bench.network.harness as h
 
     def nope():
         raise h.NetnsUnavailable("network namespaces and tc need root (run as root, e.g. with sudo)")
@@ -202,7 +202,7 @@ def test_harness_refuses_in_one_line_without_support(monkeypatch, capsys):
 
 def test_link_cut_summary_from_snapshots():
     """The cut's cost comes from the metric snapshots: rates in each phase, drops, time to serve again."""
-    from bench.harness import LinkCut
+    from bench.network.harness import LinkCut
 
     class Topo:
         n = 3
@@ -362,7 +362,7 @@ def test_dp_bytes_per_token_of_a_1b_stage():
     = 708,608 numbers; embedding / lm_head 16 x (128256 + 2048) = 2,084,864. All stages: 15,507,456
     fp32 numbers = 62.03 MB per round, sent once in an all-reduce of 2, per 10 x 262,144 tokens.
     """
-    from bench.harness_report import dp_bytes_per_token
+    from bench.network.harness_report import dp_bytes_per_token
 
     assert dp_bytes_per_token() == pytest.approx(15_507_456 * 4 / 2_621_440, rel=1e-9)
     # rounds half as often: half the bytes; a group of 4 moves 2 x 3/4 of its vector per round

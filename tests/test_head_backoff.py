@@ -1,6 +1,6 @@
 """A head whose next stage has no live peer backs off instead of dropping microbatches at full speed.
 
-Found by the chaos benchmark (bench/chaos.py): with the sole tail killed, the head drew, computed
+Found by the chaos benchmark (bench/reliability/chaos.py): with the sole tail killed, the head drew, computed
 and dropped ~20 microbatches a second until the tail came back (664 drops in one restart).
 """
 

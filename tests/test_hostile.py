@@ -1,7 +1,7 @@
 """Hostile input a live node used to mishandle (issue 18): SCAPE inbox, anchor packets, floods, stalls.
 
 Each case drives the real handlers of a real tail-stage ``StageRuntime`` (tiny:2, built by
-``bench.fuzz.make_runtime``, no networking) through in-memory streams, the way libp2p hands
+``bench.reliability.fuzz.make_runtime``, no networking) through in-memory streams, the way libp2p hands
 them over: the SCAPE handler, the anchor packet sink and the forward server.
 """
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import node.stage.server as server_mod
-from bench.fuzz import RUN_ID, FakeWriter, make_runtime, pack, prefixed, valid_body
+from bench.reliability.fuzz import RUN_ID, FakeWriter, make_runtime, pack, prefixed, valid_body
 from node.dp.anchors import PacketSink, factorize
 from node.dp.scape import ScapeSync
 from node.net.bans import BanList

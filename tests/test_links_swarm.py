@@ -102,8 +102,8 @@ def test_default_swarm_trains_on_the_stepped_link_below_its_uncoded_bytes(defaul
     """The default link at GPU frames in a real swarm: the run record carries the bench's 20x link
     (``lowrankq112-128s1v1g8a+er``), the loss falls, and each direction sends fewer bytes per token
     than the same frame uncoded (no entropy stage, no repeated rows) would hold."""
-    from bench.quality_codecs import build_codec as bench_codec
-    from bench.quality_tasks import VARIANTS
+    from bench.quality.quality_codecs import build_codec as bench_codec
+    from bench.quality.quality_tasks import VARIANTS
     from compression.lowrank import LowRankCodec
 
     rep = default_run
@@ -124,7 +124,7 @@ def test_default_swarm_trains_on_the_stepped_link_below_its_uncoded_bytes(defaul
 @pytest.mark.slow
 def test_tiered_swarm_counts_what_the_benchmark_counts(tiered_run):
     """``--link tiered`` in a real swarm: each direction's measured bytes per token are the
-    benchmark's accounting (bench/quality.py: the codec's frame bytes over the frame's tokens, plus
+    benchmark's accounting (bench/quality/quality.py: the codec's frame bytes over the frame's tokens, plus
     the labels forward) within 5%; the rest is the frame header."""
     from compression.registry import make_codec
 

@@ -273,7 +273,7 @@ def test_bundled_model_two_stages_equal_whole_ci_sized():
 
 @pytest.mark.slow  # writes a 1.9 GB checkpoint and starts 6 processes: ~4 min on 2 shared cores
 def test_a_node_serving_one_of_four_stages_peaks_below_half_the_fp32_model(tmp_path):
-    from bench.stage_memory import big_config, measure, write_random_checkpoint
+    from bench.memory.stage_memory import big_config, measure, write_random_checkpoint
 
     full = write_random_checkpoint(tmp_path / "ckpt", big_config(24))
     assert full >= 1e9

@@ -50,7 +50,7 @@ NODE += ["--max-inflight", str(MAX_INFLIGHT)]
 
 
 def _support_reason() -> str | None:
-    from bench.netns import NetnsUnavailable, check_nat_support
+    from bench.network.netns import NetnsUnavailable, check_nat_support
 
     try:
         check_nat_support()
@@ -143,7 +143,7 @@ def _after_bounce(topo, head: Node, home: Node, deadline_s: float) -> tuple[floa
 
 @pytest.fixture
 def topo():
-    from bench.netns import NatTopology, leftover_nat_namespaces
+    from bench.network.netns import NatTopology, leftover_nat_namespaces
 
     t = NatTopology(n_public=1, n_homes=2)
     try:

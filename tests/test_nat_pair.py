@@ -40,7 +40,7 @@ RUN_ID = ["--run-id", "natpair", "--heartbeat", str(BEAT_S)]
 
 
 def _topology(**kw):
-    from bench.netns import NatTopology, leftover_nat_namespaces
+    from bench.network.netns import NatTopology, leftover_nat_namespaces
 
     t = NatTopology(**{"n_public": 1, "n_homes": 2, **kw})
     try:

@@ -1,6 +1,6 @@
-"""bench/quality.py --frame-tokens: each step is one frame packed as the node packs microbatches."""
+"""bench/quality/quality.py --frame-tokens: each step is one frame packed as the node packs microbatches."""
 
-from bench.quality_tasks import BATCH, SEQ_LEN, step_frames, task_stream
+from bench.quality.quality_tasks import BATCH, SEQ_LEN, step_frames, task_stream
 from node.model.data import ByteTokenizer, collate, tokenize
 
 
@@ -58,8 +58,8 @@ def test_lowrank_one_way_diagnostics_compress_only_their_direction():
     """lowrank80-fwd-only / -bwd-only: the default link on one direction, dense bf16 on the other."""
     import torch
 
-    from bench.quality_codecs import build_codec
-    from bench.quality_tasks import VARIANTS
+    from bench.quality.quality_codecs import build_codec
+    from bench.quality.quality_tasks import VARIANTS
     from compression.codec import LinkContext
     from compression.lowrank import LowRankCodec
 

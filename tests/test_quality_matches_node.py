@@ -1,14 +1,14 @@
-"""bench/quality.py scores a run with the node's own evaluation: on a tiny random Llama split in
+"""bench/quality/quality.py scores a run with the node's own evaluation: on a tiny random Llama split in
 stages, 10 steps dense and through the default link, its exact match and eval loss are what
 ``node.model.evaluate`` computes on the trained whole model."""
 
 import pytest
 import torch
 
-from bench.quality import trial
-from bench.quality_pipeline import PipelineLM
-from bench.quality_report import tables
-from bench.quality_tasks import VARIANTS, Setup
+from bench.quality.quality import trial
+from bench.quality.quality_pipeline import PipelineLM
+from bench.quality.quality_report import tables
+from bench.quality.quality_tasks import VARIANTS, Setup
 from node.model.evaluate import completion_budget, evaluate, exact_match
 
 DEFAULT_LINK = "lowrank80i8b8k32"  # a new run's codec on short frames (node.stage.links)
@@ -16,7 +16,7 @@ TINY = Setup(model="tiny:4:128", ranges=((0, 1), (1, 2), (2, 4)), batch=8, seq_l
 
 
 def test_the_bench_default_link_is_the_nodes():
-    from bench.quality_codecs import build_codec
+    from bench.quality.quality_codecs import build_codec
     from node.config import NodeConfig
     from node.stage.links import codec_settings
 

@@ -1,6 +1,6 @@
-"""bench/quality_report's LoRA-against-full table and plot, on hand-made links.json records."""
+"""bench/quality/quality_report's LoRA-against-full table and plot, on hand-made links.json records."""
 
-from bench.quality_report import finetune_plot, finetune_table
+from bench.quality.quality_report import finetune_plot, finetune_table
 
 
 def _rec(mode: str, lr: float, seed: int, em: float, loss: float) -> dict:

@@ -1,4 +1,4 @@
-"""The quality bench's harder tasks (bench/quality_tasks.py, issue 35): ``carry`` and ``multistep``.
+"""The quality bench's harder tasks (bench/quality/quality_tasks.py, issue 35): ``carry`` and ``multistep``.
 
 Answers are checked by parsing each prompt back and solving it here, not by calling the generator's
 own arithmetic; the difficulty each task claims is counted the same way."""
@@ -9,7 +9,7 @@ from functools import lru_cache
 
 import pytest
 
-from bench.quality_tasks import SEQ_LEN, TASKS, held_out, task_stream
+from bench.quality.quality_tasks import SEQ_LEN, TASKS, held_out, task_stream
 from node.model.data import tokenize
 
 NEW = ("carry", "multistep")

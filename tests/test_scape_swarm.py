@@ -30,7 +30,7 @@ def test_mask_slices_survive_the_wire_encoding(density):
 
 def _scape(timeout: float = 0.3) -> ScapeSync:
     """A real ScapeSync on a real (network-less) tail runtime's context, through its constructor."""
-    from bench.fuzz import make_runtime
+    from bench.reliability.fuzz import make_runtime
     from node.stage.step import StepGate
 
     async def routes_as_they_are() -> None:  # the test sets the routes; no DHT to read them from

@@ -1,4 +1,4 @@
-"""bench.soak: the schedule's rules, the summary of samples, the pass/fail verdict, and (slow) a
+"""bench.reliability.soak: the schedule's rules, the summary of samples, the pass/fail verdict, and (slow) a
 two-minute soak run of real node processes."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bench.soak import schedule, summarize, verdict
+from bench.reliability.soak import schedule, summarize, verdict
 
 
 def test_schedule_late_join_after_three_run_record_lifetimes() -> None:
@@ -102,7 +102,7 @@ def test_soak_four_minutes(tmp_path) -> None:
     cmd = [
         sys.executable,
         "-m",
-        "bench.soak",
+        "bench.reliability.soak",
         "--minutes",
         "4",
         "--join-at",

@@ -1,6 +1,6 @@
 """The volunteer internet, CI-sized: six nodes (two public; homes behind a port-keeping router, a
 symmetric NAT and a carrier-grade NAT, two layers), home lines shaped and lossy, churn and a relay
-killed, for two minutes (``bench.volunteer_net``, which runs the 16-node one). No uplink bounce here:
+killed, for two minutes (``bench.network.volunteer_net``, which runs the 16-node one). No uplink bounce here:
 the bench found a home head cut off for 40 s and more after one (bench/results/volunteer_net.md
 records it); tests/test_nat.py and tests/test_nat_pair.py bounce an uplink where recovery holds.
 
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(bool(reason := _support_reason()), reason=f"need
 
 
 def test_volunteer_internet_ci_sized(tmp_path):
-    from bench import volunteer_net
-    from bench.vnet import leftover
+    from bench.network import volunteer_net
+    from bench.network.vnet import leftover
 
     report = tmp_path / "vnet"
     rc = volunteer_net.main(

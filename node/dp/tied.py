@@ -9,7 +9,7 @@ of the partner stage (``vnode.tied``) and adds what the partner sent for the sam
 copies then take the same summed gradient (fp32 addition commutes: a + b == b + a bit for bit),
 the same clip (``node.dp.strategies.mean_and_clip`` clips the tied tensor by its own norm, on both sides)
 and the same AdamW update from the same AdamW state: they stay bit-identical. That is the model
-``bench/quality.py`` trains in one process, where the tensor is one shared parameter.
+``bench/quality/quality.py`` trains in one process, where the tensor is one shared parameter.
 
 Bytes per step: the head's gradient is sparse (only rows of tokens in its batch are non-zero), so
 it sends the ids and those rows: rows x (H + 2) x 4 bytes. The tail's is dense V x H, sent in the

@@ -27,7 +27,7 @@ tensors and scalars with int or str keys: ``flatten_state`` turns one into a fla
 ``{name: tensor}`` map plus a JSON skeleton, ``unflatten_state`` rebuilds it exactly (floats
 are stored as hex, tuples stay tuples, int keys stay ints).
 
-Fault injection for crash tests of whole node processes (``bench/chaos.py``; a fixture cannot
+Fault injection for crash tests of whole node processes (``bench/reliability/chaos.py``; a fixture cannot
 reach into another process): the environment variable ``VNODE_CKPT_FAULT=<point>:<action>``
 acts at the points ``"written"`` (all files fsynced in the temporary directory, before the
 rename) and ``"renamed"`` (after the rename, before ``latest`` is updated), with action

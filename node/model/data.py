@@ -145,7 +145,7 @@ def check_data(source: str) -> None:
 def stdlib_docstrings() -> bytes:
     """Docstrings (over 40 characters) of ``STDLIB_MODULES``, read from this Python's own sources.
 
-    Offline pretraining text (also the corpus of ``bench/subspace_scape.py``); it differs slightly
+    Offline pretraining text (also the corpus of ``bench/dp/subspace_scape.py``); it differs slightly
     between Python versions.
     """
     parts = []

@@ -1,6 +1,6 @@
 """Emulated compute: a model whose stages move real-size activations but only *sleep* for the
 compute a stated GPU would spend, so a bandwidth-capped swarm on a few CPU cores measures the
-network, not the CPUs (bench/harness.py, issue 5).
+network, not the CPUs (bench/network/harness.py, issue 5).
 
 ``--model emulate[:HIDDEN[:LAYERS[:US[:VOCAB]]]]`` builds:
 

@@ -107,14 +107,14 @@ def tiny_config(layers: int = 4, hidden: int = 64, vocab: int = 512, tie: bool =
     )
 
 
-SMALL = "small"  # the from-scratch config of bench/subspace_scape.py: hidden 128, 4 layers, byte vocab
+SMALL = "small"  # the from-scratch config of bench/dp/subspace_scape.py: hidden 128, 4 layers, byte vocab
 
 
 def pretrain_config(model: str):
     """The LlamaConfig a ``--mode pretrain`` run builds from scratch.
 
     ``tiny[:LAYERS[:HIDDEN]]`` (vocab 512), ``small`` (hidden 128, 4 layers, 4 heads, MLP 336,
-    vocab 256, as in ``bench/subspace_scape.py``), or a checkpoint directory / ``bundled``
+    vocab 256, as in ``bench/dp/subspace_scape.py``), or a checkpoint directory / ``bundled``
     whose ``config.json`` only is used (its weights are not loaded). Embeddings are untied
     (the subspace model needs that; a fresh model loses nothing by it).
     """

@@ -1,0 +1,1 @@
+"""How long does the compression math take next to one decoder layer's compute?"""

@@ -1,0 +1,1 @@
+"""How fast does a swarm train over capped, delayed and NATed links?"""

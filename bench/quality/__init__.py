@@ -1,0 +1,1 @@
+"""How much of the model's learning does a pipeline-link codec cost per byte it saves?"""
