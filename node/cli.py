@@ -26,7 +26,7 @@ _CODEC_FLAGS = {
     "lowrank_backward_bits": ("lowrank",),
 }
 # ... and those refused with another codec only at a value other than their default, since
-# bench/harness.py pins --mask-rate 0.95 on every node's command line whatever the codec
+# bench/network/harness.py pins --mask-rate 0.95 on every node's command line whatever the codec
 _CODEC_VALUES = {
     "mask_rate": ("mask",),
     "link": ("lowrank",),

@@ -74,7 +74,7 @@ class StageRuntime(Lifecycle):
         self.cfg, self.run, self.index, self.stage = cfg, run, stage_index, stage
         self.memory_estimate: dict | None = None  # node.model.devices.stage_memory_bytes, set by join
         emulated = getattr(stage.config, "emulate_gpu", None)
-        if emulated:  # bench.harness: the GPU-side work of an emulated model becomes calibrated sleeps
+        if emulated:  # bench.network.harness: an emulated model's GPU-side work becomes calibrated sleeps
             from node.stage.emulated import EmulatedCompute, emulate_links
 
             self.compute = EmulatedCompute(stage, device)
@@ -206,9 +206,9 @@ class StageRuntime(Lifecycle):
             "trained_tokens": m.trained_tokens,
             "microbatches": m.microbatches,
             "dropped_microbatches": m.dropped,
+            "held_microbatches": m.held,  # tries that waited for an empty next stage instead of dropping
             "rejected_frames": m.rejected_frames,
             "skipped_steps": m.skipped_steps,
-            "held_microbatches": m.held,  # tries that waited for an empty next stage instead of dropping
             "basis_bytes_fetched": bases.bytes_fetched if bases else 0,
             "anchor_bytes": self.anchor.packet_bytes if self.anchor else 0,
             "anchor_pull_bytes": self.anchor.pull_bytes if self.anchor else 0,

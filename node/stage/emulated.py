@@ -94,7 +94,7 @@ class EmulatedLinkCodec(LinkCodec):
         if getattr(inner, "entropy", False):  # coded sizes depend on values the emulation never computes
             raise ValueError(
                 "emulated links do not cover --lowrank-entropy on (its bytes depend on the data); "
-                "measure it with python -m bench.code_entropy --mode coder"
+                "measure it with python -m bench.quality.code_entropy --mode coder"
             )
         self.inner, self.gpu = inner, gpu
         self.codec_id, self.needs_basis = inner.codec_id, inner.needs_basis
