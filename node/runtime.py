@@ -236,6 +236,8 @@ class StageRuntime(Lifecycle):
             "checkpoints": m.checkpoints,
             "resumed_from": self.resumed_from,
             "basis_bytes_served": bases.bytes_served if bases else 0,
+            # weight snapshots served: joiners, held-out scoring, a live export
+            "weights_bytes_served": self.weight_server.bytes_served if self.weight_server else 0,
             "throughput": self.pipeline.throughput,
             "reachability": self.reachability,  # direct | nat (node.net.reach)
             "reverse": {  # behind NAT: connections opened to the peers that call us, and re-opened

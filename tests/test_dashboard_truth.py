@@ -256,6 +256,9 @@ def test_a_training_swarm_shows_its_tokens_per_s_and_a_held_out_loss(tmp_path):
         train = loss["values"][step - 1 - loss["first_step"]]  # the training loss of that step
         assert abs(t["eval_loss"] - train) > 1e-4, (t["eval_loss"], train)
         assert "loss it computed" in t["tail_steps_count"]
+        # every trained token crossed the one dense bf16 boundary forward and its gradient came back:
+        # 2 x 64 x 2 B at least; the held-out scoring's weight pulls and frame headers come on top
+        assert t["sent_per_token"] >= 2 * 64 * 2, t["sent_per_token"]
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

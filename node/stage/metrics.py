@@ -80,14 +80,15 @@ class Metrics:
 def sent_bytes(m: dict) -> dict[str, int]:
     """Bytes this node wrote to its peers, by kind, from its metrics dict (``metrics_dict``): link
     frames (forward frames it sent and backward replies it answered with), outer rounds (serialized
-    all-reduce parts, every attempt), the tied embedding's exchange, bases and anchor packets it
-    served, and bytes it relayed for other nodes. Not counted: DHT heartbeats and lookups, hivemind's
-    matchmaking and libp2p's own traffic (hivemind does not count them)."""
+    all-reduce parts, every attempt), the tied embedding's exchange, bases, weight snapshots and
+    anchor packets it served, and bytes it relayed for other nodes. Not counted: DHT heartbeats and
+    lookups, hivemind's matchmaking and libp2p's own traffic (hivemind does not count them)."""
     return {
         "links": sum(lk["bytes"] for lk in m.get("links", [])),
         "outer": sum(r.get("bytes_sent", 0) for r in m.get("outer_rounds", [])),
         "tied": m.get("tied", {}).get("bytes_sent", 0),
         "bases": m.get("basis_bytes_served", 0),
+        "weights": m.get("weights_bytes_served", 0),
         "anchors": m.get("anchor_bytes", 0),
         "relay": m.get("relay", {}).get("relayed_bytes", 0),
     }

@@ -25,6 +25,7 @@ COUNTERS = (
     ("vnode_outer_rounds_skipped", "outer_skipped", "DP outer rounds skipped or taken alone"),
     ("vnode_outer_bytes", "outer_bytes", "bytes this node sent in outer rounds"),
     ("vnode_relayed_bytes", "relayed_bytes", "bytes this node relayed between peers behind NAT"),
+    ("vnode_sent_bytes", "sent_bytes", "bytes this node sent, every kind it counts"),
     ("vnode_compute_seconds", "compute_s", "seconds of tensor work on the compute thread"),
 )
 GAUGES = (

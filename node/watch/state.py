@@ -191,6 +191,14 @@ def replica_distance(nodes: Mapping[str, dict]) -> dict[int, float]:
     return out
 
 
+def sent_per_token(nodes: Mapping[str, dict], tails: Mapping[str, dict]) -> float | None:
+    """Bytes every answering node sent, every kind it counts, per token the tails trained; None
+    before the first token (or from nodes that predate the count)."""
+    tokens = sum(m["trained_tokens"] for m in tails.values())
+    sent = sum(m.get("sent_bytes", 0) for m in nodes.values())
+    return sent / tokens if tokens and sent else None
+
+
 def run_view(run: RunRecord) -> dict:
     """The run's description as the page shows it."""
     return {
@@ -305,6 +313,8 @@ def build_state(
             "tokens_per_s": view[-1]["tokens_per_s"] if len(view) == n_stages and n_stages else None,
             "rate_window_s": RATE_WINDOW_S,
             "dropped_microbatches": sum(m["dropped_microbatches"] for m in nodes.values()),
+            # what every answering node sent (links, outer rounds, relaying, ...) per trained token
+            "sent_per_token": sent_per_token(nodes, tails),
             "rejected_frames": sum(m["rejected_frames"] for m in nodes.values()),
             "inner_step": max((m["inner_step"] for m in tails.values()), default=0),
             "tail_steps_count": STEP_MEANING[stage_role(n_stages - 1, n_stages)].format(b=run.batch_tokens),

@@ -64,6 +64,7 @@ INTS = (
     "probe_size",
     "relayed_bytes",
     "eval_every",
+    "sent_bytes",
 )
 FLOATS = ("throughput", "compute_s", "time")
 STRS = ("peer_id", "role", "circuit", "device", "dp_mode", "connections")
@@ -92,6 +93,8 @@ def flatten(m: dict) -> tuple[dict, list[float], list[list[int]]]:
         "dp_mode": (m.get("dp") or {}).get("mode", ""),
         "connections": connections_summary(m.get("connections") or {}),
         "relayed_bytes": int((m.get("relay") or {}).get("relayed_bytes", 0)),
+        # every kind the node counts (node.stage.metrics.sent_bytes): the run's bytes per token
+        "sent_bytes": int(sum(((m.get("sent") or {}).get("bytes") or {}).values())),
         **{k: int(m.get(k, 0)) for k in INTS if k in m},
         "outer_committed": sum(1 for r in rounds if not r.get("skipped")),
         "outer_skipped": sum(1 for r in rounds if r.get("skipped")) + int(m.get("outer_alone", 0)),
