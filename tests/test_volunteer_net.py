@@ -40,7 +40,10 @@ def test_volunteer_internet_ci_sized(tmp_path):
     r = json.loads(report.with_suffix(".json").read_text())["runs"][0]
     assert report.with_suffix(".png").stat().st_size > 0
     assert r["tokens_per_s"] > 0, r
-    assert r["series"][-1][1] > 0 or r["series"][-2][1] > 0, r["series"][-5:]  # still training at the end
+    # still training at the end: some tokens in the last 10 s (5 samples). Not the last 4 s: on these
+    # shaped, lossy lines the tails' rate is bursty, and an outer round waiting out its matchmaking
+    # stalls a stage for seconds (one full-suite run ended on two 0 samples, 4 s, with 0s mid-run too)
+    assert any(rate > 0 for _, rate in r["series"][-5:]), r["series"][-8:]
     kinds = [e for e in r["events"] if e["kind"] == "kill"]
     assert kinds and any(e["kind"] == "relay killed" for e in r["events"]), r["events"]
     # every home kind's node trained (home0 eim, home1 sym, home2 cgnat, home3 eim)
