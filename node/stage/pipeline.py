@@ -187,14 +187,11 @@ class Pipeline:
                     meta, _ = await self.run_rest(ids, labels, self.ctx.inner_step, mb, [], tokens)
                     break
                 except HopFailed as e:
-                    if "no live peer" not in str(e) or not self.empty_downstream.keep():
+                    if "no live peer" not in str(e) or not self.empty_downstream.keep(str(e)):
                         raise
                     # the next stage is empty for a moment: this microbatch waits for its next peer
                     # (send_downstream reads the DHT again) instead of being dropped
                     self.ctx.metrics.held += 1
-                    if not self.empty_downstream.said_hold:  # once per empty spell
-                        self.empty_downstream.said_hold = True
-                        log.info("%s: holding microbatches back until one joins", e)
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self.ctx.stop.wait(), self.drop_backoff_s)
                     if self.ctx.stop.is_set():

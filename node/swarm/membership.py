@@ -358,7 +358,7 @@ class EmptyStageBackoff:
         self.noticed = False
         self.said_hold = False
 
-    def keep(self) -> bool:
+    def keep(self, reason: str) -> bool:
         """Whether a microbatch that found no live peer downstream waits for one instead of being
         dropped: while the empty spell is younger than ``EMPTY_STAGE_NOTICE_S``. A stage is empty
         for a moment far more often than for good (a node restarting, its record expiring on a slow
@@ -366,14 +366,21 @@ class EmptyStageBackoff:
         its tokens trained; a stage empty past that is taken as empty, and drops resume."""
         now = time.monotonic()
         if self.since is None:
-            self.since, self.delay = now, 0.0
-        return now - self.since < EMPTY_STAGE_NOTICE_S
+            self.since = now
+        if now - self.since >= EMPTY_STAGE_NOTICE_S:
+            return False
+        if not self.said_hold:  # once per empty spell
+            self.said_hold = True
+            log.info("%s: holding microbatches back until one joins", reason)
+        return True
 
     def dropped(self, reason: str, base_s: float) -> float:
         """Seconds to hold the slot after a microbatch dropped because ``reason``."""
         now = time.monotonic()
-        if self.since is None or not self.delay:
-            self.since, self.delay = self.since or now, base_s
+        if self.since is None:
+            self.since = now
+        if not self.delay:
+            self.delay = base_s
         if now - self.since < EMPTY_STAGE_NOTICE_S:
             log.warning("dropped a microbatch: %s", reason)
             return base_s
@@ -392,4 +399,4 @@ class EmptyStageBackoff:
     def served(self) -> None:
         if self.noticed:
             log.warning("the pipeline is whole again: training resumes")
-        self.since, self.noticed, self.said_hold = None, False, False
+        self.since, self.delay, self.noticed, self.said_hold = None, 0.0, False, False
