@@ -564,6 +564,7 @@ def run_join(cfg: NodeConfig) -> int:
                         index,
                         {n: p for n, p in stage.named_parameters() if p.requires_grad},
                         rank=o.rank,
+                        bits=o.bits,
                         group_size=o.group_size,
                         outer_lr=o.lr,
                         momentum=o.momentum,

@@ -45,6 +45,7 @@ class OuterSettings:
 
     every: int = _f(DEFAULT_OUTER_EVERY, min=0)  # inner steps between rounds; 0 = never
     rank: int = _f(16, min=0)  # PowerSGD rank; 0 = uncompressed pseudo-gradients
+    bits: int = _f(32, choices=(32, 8, 4))  # what a round's numbers travel as (compression/outer_quant.py)
     group_size: int = _f(2, min=1)
     lr: float = _f(0.7, min=0)
     momentum: float = _f(0.9, min=0)

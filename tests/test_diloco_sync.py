@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from compression import outer_quant
 from compression.outer import param_distance
 from compression.powersgd import bytes_for
 
@@ -324,6 +325,8 @@ def _run_rounds(peers, stage, theta0, rounds, drift, kwargs, tol):
             assert stats["group_size"] == len(peers), stats
             assert _max_abs(got, want) <= tol, (_max_abs(got, want), stats)
             worst = max(worst, _max_abs(got, want))
+        groups = {o[0]["group"] for o in outs}
+        assert len(groups) == 1 and len(groups.pop()) == 12, [o[0]["group"] for o in outs]  # one group, named alike
         got_all = [o[1] for o in outs]
         assert max(param_distance(got_all[0], g) for g in got_all[1:]) <= 1e-7
         history.append([o[0] for o in outs])
@@ -347,6 +350,70 @@ def test_one_group_uncompressed_equals_diloco_and_bytes(peers):
         formula = 2 * (k - 1) * bytes_for(SMALL, 0)  # = sum of dense_bytes
         assert formula <= total <= formula * 1.02 + 2048, (total, formula)
         print(f"\nrank 0, {numel} numbers, group of 3: sent {total} B in all, formula {formula} B")
+
+
+class ReferenceQuantised(ReferenceDiLoCo):
+    """Quantised outer rounds composed from ``outer_quant``'s primitives (tested on their own in
+    test_outer_quant.py): each peer sends quantize(Delta_i + e_i) and keeps the rest as e_i; the
+    group mean is quantised afresh (a reducer's reply) and torch's Nesterov steps with it."""
+
+    def __init__(self, theta0, bits, peers):
+        super().__init__(theta0)
+        self.bits = bits
+        self.err = [{n: torch.zeros_like(t) for n, t in theta0.items()} for _ in range(peers)]
+
+    def step(self, locals_, start=None):
+        theta, sent = self.theta(), []
+        for err, loc in zip(self.err, locals_):
+            mine = {}
+            for n in theta:
+                x = theta[n] - loc[n] + err[n]
+                mine[n], _ = outer_quant.quantize(x, self.bits)
+                err[n] = x - mine[n]
+            sent.append(mine)
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.grad = outer_quant.roundtrip(torch.stack([s[n] for s in sent]).mean(0), self.bits)
+        self.opt.step()
+        return self.theta()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantised_rounds_equal_reference_bit_identical_members(peers, bits):
+    """--outer-bits 8/4, rank 0, one group of 3, three rounds: every member ends bit-identical, equal
+    to the reference (error feedback included) but for values whose rounding the reducers' summation
+    order may flip, sends what the 8/4-bit wire size says, and keeps the reference's error feedback."""
+    stage = 20 + bits
+    theta0 = _theta0(stage, SMALL)
+    kwargs = dict(BASE, rank=0, bits=bits)
+    _all(peers, lambda i: ("open", stage, theta0, kwargs, None), 90)
+    ref = ReferenceQuantised(theta0, bits, len(peers))
+    fp32 = ReferenceDiLoCo(theta0)
+    k, numel = len(peers), sum(t.numel() for t in theta0.values())
+    payload = sum(outer_quant.wire_nbytes(t.numel(), bits) for t in theta0.values())
+    for t in range(3):
+        locals_ = [_dense_drift(ref.theta(), 2000 * bits + 10 * t + i, i) for i in range(k)]
+        _all(peers, lambda i, locals_=locals_: ("set", stage, locals_[i]), 30)
+        outs = _all(peers, lambda i, t=t: ("round", stage, t), kwargs["timeout"] + SLACK_S)
+        want, plain = ref.step(locals_), fp32.step(locals_)
+        got = [o[1] for o in outs]
+        for stats, _, _, _ in outs:
+            assert not stats["skipped"] and stats["group_size"] == k, stats
+            assert stats["payload_bytes"] == payload, (stats["payload_bytes"], payload)
+        assert all(_max_abs(got[0], g) == 0.0 for g in got[1:])  # bit-identical members
+        off = sum(int(((got[0][n] - want[n]).abs() > 1e-5).sum()) for n in want)
+        assert off <= 2, off  # a rounding at exactly half a step may go either way
+        if t == 0:  # quantisation did happen: the plain fp32 round lands elsewhere
+            assert _max_abs(got[0], plain) > 1e-4, _max_abs(got[0], plain)
+        sent = sum(s["bytes_sent"] for s, _, _, _ in outs)
+        formula = 2 * (k - 1) * payload
+        assert formula <= sent <= formula * 1.02 + 2048, (sent, formula)
+        dense = sum(s["dense_bytes"] for s, _, _, _ in outs)  # each peer's share is rounded
+        assert abs(dense - 8 * (k - 1) * numel) <= k and dense / sent >= 32 / bits * 0.85, (dense, sent)
+    for peer, err in zip(peers, ref.err):
+        sd, _ = peer.call("state_roundtrip", stage)
+        assert _max_abs(sd["quant_error"], err) <= 1e-6  # the feedback each member carries on
+    _all(peers, lambda i: ("close", stage), 60)
 
 
 def test_outer_state_built_late_equals_diloco(peers):

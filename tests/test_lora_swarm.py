@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from compression.outer_quant import wire_nbytes
 from tests.conftest import replicas_agree, run_swarm
 
 MODEL, RANK = "tiny:2:128", 16
@@ -24,7 +25,8 @@ def lora_swarm(tmp_path_factory):
         out,
         "--nodes", "4", "--stages", "2", "--steps", "30", "--model", MODEL, "--lr", "1e-2",
         "--finetune", "lora", "--lora-rank", str(RANK), "--lora-alpha", "32",
-        "--outer-every", "6", "--powersgd-rank", "0", "--outer-timeout", "45", "--no-rebalance",
+        "--outer-every", "6", "--powersgd-rank", "0", "--outer-bits", "8", "--outer-timeout", "45",
+        "--no-rebalance",
         # QLoRA: the frozen base's linear weights in 4 bits (the fp32 base's pipeline is tested
         # against whole-model peft in tests/test_lora.py; the nf4 one against transformers' too)
         "--base-dtype", "nf4",
@@ -80,11 +82,12 @@ def test_outer_rounds_carry_the_adapters_only_and_replicas_agree(lora_swarm):
     ]
     assert steady, [m.get("outer_rounds") for m in rep["nodes"]]
     for stage, r in steady:
-        # uncompressed fp32 in a group of two: each peer sends half its vector and returns the
-        # averaged half, 4 B x numel in all, plus protobuf headers; a round whose first all-reduce
+        # not PowerSGD-compressed, 8-bit blocks (1 B a number + a bf16 scale per 64) in a group of
+        # two: each peer sends half its vector and returns the averaged half, the 8-bit size of the
+        # whole vector in all, plus protobuf headers; a round whose first all-reduce
         # failed and was retried (hivemind drops a sender whose parts stop coming) counts every
         # attempt's messages (node.dp.diloco): one whole exchange at least, one per attempt at most
-        want, tries = 4 * numel[stage], r.get("attempts", 1)
+        want, tries = wire_nbytes(numel[stage], 8), r.get("attempts", 1)
         assert want <= r["bytes_sent"] <= tries * (1.05 * want + 2048), (stage, r["bytes_sent"], want, tries)
     assert any(r.get("attempts", 1) == 1 for _, r in steady), steady  # one-exchange rounds among them
     assert rep["outer"]["max_replica_distance"] is not None

@@ -80,12 +80,14 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException, BannedException
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import CompressionInfo, serialize_torch_tensor
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 
+from compression import outer_quant
 from compression.outer import GaslocOuter, OuterNesterov
 from compression.powersgd import DEFAULT_MIN_COMPRESS_NUMEL, PowerSGD, PowerSGDState, initial_q
+from node.dp import quant_wire
 from node.net.pipes import tolerate_dead_senders
 from node.stop_signal import default_signals_in_child
 from node.swarm.membership import leave_process_group, parent_death_signal
@@ -118,10 +120,11 @@ class RoundStats:
     bytes_sent: int  # serialized all-reduce messages this peer wrote, all attempts of the round
     dense_bytes: int  # per-peer bytes of a dense fp32 all-reduce of Delta in the same group; 0 if skipped
     seconds: float
-    payload_bytes: int = 0  # fp32 numbers this peer contributed (P + Q + dense [+ re-anchor]) * 4
+    payload_bytes: int = 0  # bytes of the numbers this peer contributed (P + Q + dense [+ re-anchor])
     reanchored: bool = False  # theta_global and momentum were averaged because the lineages differed
     attempts: int = 0  # all-reduce attempts (matchmaking retries after a failed all-reduce)
     reason: str = ""  # why a round was skipped
+    group: str = ""  # the committed group's id, hashed: equal on every member of that round's group
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -150,11 +153,16 @@ class _ExactRunner(AllReduceRunner):
     2. The serialized size of every message this peer sends is added to ``counter[0]``. A member's
        own averages can be complete while, as a reducer, it is still returning the last averaged
        part to a partner; ``replies_sent`` waits for that, so the count is the round's whole.
+
+    3. With ``--outer-bits`` 8 or 4 (``node.dp.quant_wire``), parts travel quantised: a reducer
+       quantises each average afresh and keeps, for its own parts, exactly what it sends.
     """
 
     def __init__(self, *args, counter: list[int], **kwargs):
         super().__init__(*args, **kwargs)
         self._counter = counter
+        own = self.ordered_peer_ids.index(self.peer_id)
+        self._own_infos = [info for _, info in self.tensor_part_container._input_parts_by_peer[own]]
         self._serving = 0  # reducer streams still returning averaged parts
         self._served = asyncio.Event()
         self._served.set()
@@ -178,7 +186,13 @@ class _ExactRunner(AllReduceRunner):
             averaged = await self.tensor_part_reducer.accumulate_part(
                 sender_index, part_index, tensor_part, weight=self.weight
             )
+            comp = self.tensor_part_container.compression
+            if isinstance(comp, quant_wire.QuantParts) and comp.quantised(self._own_infos[part_index]):
+                averaged = quant_wire.average_as_received(averaged, comp.bits)
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged.clone())
+
+    def _get_peer_stub(self, peer):
+        return quant_wire.decoded_stub(super()._get_peer_stub(peer))
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         part_index = 0
@@ -186,7 +200,7 @@ class _ExactRunner(AllReduceRunner):
         self._served.clear()
         try:
             loop = asyncio.get_event_loop()
-            async for tensor_part, weight, part_compression in amap_in_executor(
+            async for tensor_part, weight, part_compression, bits in amap_in_executor(
                 _unpack_part,
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
@@ -198,9 +212,12 @@ class _ExactRunner(AllReduceRunner):
                     part_index += 1
                 except BannedException:
                     break  # the sender was dropped; nothing more to aggregate from it
-                serialized = await loop.run_in_executor(
-                    None, serialize_torch_tensor, averaged, part_compression
-                )
+                if bits:
+                    serialized = await loop.run_in_executor(None, quant_wire.encode_average, averaged, bits)
+                else:
+                    serialized = await loop.run_in_executor(
+                        None, serialize_torch_tensor, averaged, part_compression
+                    )
                 msg = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
                 self._counter[0] += msg.ByteSize()
                 yield msg
@@ -231,7 +248,9 @@ class _OuterAverager(DecentralizedAverager):
         q: dict[str, torch.Tensor],
         theta: dict[str, torch.Tensor],
         mom: dict[str, torch.Tensor],
+        qerr: dict[str, torch.Tensor],
         rank: int,
+        bits: int,
         seed: int,
         min_compress_numel: int,
         config_tag: str,
@@ -240,10 +259,12 @@ class _OuterAverager(DecentralizedAverager):
     ):
         self.names = list(names)
         self.delta, self.err, self.q, self.theta, self.mom = delta, err, q, theta, mom
+        self.qerr = qerr  # error feedback of the quantised dense tensors (--outer-bits 8/4)
         self.comp_names = [n for n in self.names if n in err]
         self.dense_names = [n for n in self.names if n not in err]
         self.rank, self.seed, self.min_compress_numel = int(rank), int(seed), int(min_compress_numel)
-        for t in [*err.values(), *q.values(), *theta.values(), *mom.values()]:
+        self.bits = outer_quant.check_bits(bits)
+        for t in [*err.values(), *q.values(), *theta.values(), *mom.values(), *qerr.values()]:
             t.share_memory_()
         self.record = mp.RawArray(ctypes.c_double, 8)
         self.record[_ACTIVE] = self.record[_COMMITTED] = -1
@@ -298,9 +319,22 @@ class _OuterAverager(DecentralizedAverager):
             self._pending_groups_registered.set()
 
     async def _run_allreduce_inplace_(
-        self, tensors, group_info: GroupInfo, group_id: bytes | None = None, *, counter=None, **kwargs
+        self,
+        tensors,
+        group_info: GroupInfo,
+        group_id: bytes | None = None,
+        *,
+        counter=None,
+        scales: dict[int, torch.Tensor] | None = None,
+        **kwargs,
     ):
+        """``scales``: tensor index -> block scales of the tensors that travel quantised (--outer-bits)."""
         group_id = group_info.group_id if group_id is None else group_id
+        if scales:
+            kwargs["compression"] = quant_wire.QuantParts(self.bits, scales)
+            kwargs["tensor_infos"] = tuple(
+                CompressionInfo.from_tensor(t, key=i) for i, t in enumerate(tensors)
+            )
         runner = _ExactRunner(
             p2p=self._p2p,
             servicer_type=type(self),
@@ -340,12 +374,14 @@ class _OuterAverager(DecentralizedAverager):
         comp.states = {n: PowerSGDState(error=self.err[n], q=self.q[n]) for n in self.comp_names}
         return token, deltas, anchor, comp
 
-    def _commit(self, token, out, anchor, comp, group_size, reanchor, payload, lineage) -> None:
+    def _commit(self, token, out, anchor, comp, group_size, reanchor, payload, lineage, qerr) -> None:
         with self.lock_averaged_tensors:
             if int(self.record[_ACTIVE]) != token:
                 raise AllreduceException("the host gave up on this round before it finished")
             for n in self.names:
                 self.delta[n].copy_(out[n])
+            for n, e in qerr.items():
+                self.qerr[n].copy_(e)
             for n in self.comp_names:
                 st = comp.states[n]
                 if st.error is not self.err[n]:
@@ -368,6 +404,31 @@ class _OuterAverager(DecentralizedAverager):
             if token is not None and int(self.record[_ACTIVE]) == token:
                 self.record[_BYTES] += nbytes
 
+    def _quantise(
+        self, tensors: list[torch.Tensor], feedback: list[str | None], new_err: dict, count: int | None = None
+    ) -> dict:
+        """Replace the first ``count`` (default all) ``tensors[i]`` by their quantised values
+        (--outer-bits 8/4); return their block scales by index. A named tensor adds its error
+        feedback and puts the new one in ``new_err`` (committed with the round); unnamed ones
+        (P, Q) rely on PowerSGD's."""
+        if self.bits == 32:
+            return {}
+        scales = {}
+        n = len(tensors) if count is None else count
+        for i, (t, name) in enumerate(zip(tensors[:n], feedback[:n])):
+            if name is None:
+                values, scales[i] = outer_quant.quantize(t, self.bits)
+            else:
+                values, scales[i], new_err[name] = outer_quant.with_feedback(t, self.qerr[name], self.bits)
+            tensors[i] = values.contiguous()
+        return scales
+
+    def _payload_bytes(self, tensors: list[torch.Tensor], scales: dict) -> int:
+        return sum(
+            outer_quant.wire_nbytes(t.numel(), self.bits if i in scales else 32)
+            for i, t in enumerate(tensors)
+        )
+
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
         loop = asyncio.get_event_loop()
         counter, token, comp = [0], None, None
@@ -386,17 +447,40 @@ class _OuterAverager(DecentralizedAverager):
             gid = group_info.group_id
             ps, dense = await loop.run_in_executor(None, comp.phase1_all, deltas)
             qs: dict[str, torch.Tensor] = {}
+            payload = 0
             if self.comp_names:
                 p_list = [ps[n].contiguous() for n in self.comp_names]
+                p_scales = await loop.run_in_executor(None, self._quantise, p_list, [None] * len(p_list), {})
+                payload += self._payload_bytes(p_list, p_scales)
                 await self._run_allreduce_inplace_(
-                    p_list, group_info, gid + b".P", peer_fractions=fractions, counter=counter, **kwargs
+                    p_list,
+                    group_info,
+                    gid + b".P",
+                    peer_fractions=fractions,
+                    counter=counter,
+                    scales=p_scales,
+                    **kwargs,
                 )
                 qs = await loop.run_in_executor(None, comp.phase2_all, dict(zip(self.comp_names, p_list)))
             q_list = [qs[n].contiguous() for n in self.comp_names]
             dense_list = [dense[n].to(torch.float32).contiguous() for n in self.dense_names]
-            phase_q = q_list + dense_list + (anchor or [])
+            # PowerSGD's own error feedback (e <- M - d_hat) covers what quantising P and Q loses;
+            # the dense tensors carry their own (qerr)
+            new_qerr: dict[str, torch.Tensor] = {}
+            phase_q = q_list + dense_list + (anchor or [])  # the re-anchoring state goes as it is
+            feedback = [None] * len(q_list) + self.dense_names + [None] * len(anchor or [])
+            q_scales = await loop.run_in_executor(
+                None, self._quantise, phase_q, feedback, new_qerr, len(q_list) + len(dense_list)
+            )
+            payload += self._payload_bytes(phase_q, q_scales)
             await self._run_allreduce_inplace_(
-                phase_q, group_info, gid + b".Q", peer_fractions=fractions, counter=counter, **kwargs
+                phase_q,
+                group_info,
+                gid + b".Q",
+                peer_fractions=fractions,
+                counter=counter,
+                scales=q_scales,
+                **kwargs,
             )
             nq, nd = len(q_list), len(dense_list)
             out = await loop.run_in_executor(
@@ -405,7 +489,6 @@ class _OuterAverager(DecentralizedAverager):
                 dict(zip(self.comp_names, phase_q[:nq])),
                 dict(zip(self.dense_names, phase_q[nq : nq + nd])),
             )
-            payload = sum(t.numel() for t in phase_q) + sum(ps[n].numel() for n in self.comp_names)
             lineage = hashlib.blake2b(b"lineage" + gid, digest_size=_LINEAGE_LEN // 2).hexdigest()
             await loop.run_in_executor(
                 None,
@@ -418,6 +501,7 @@ class _OuterAverager(DecentralizedAverager):
                 reanchor,
                 payload,
                 lineage,
+                new_qerr,
             )
             return {"group_size": group_info.group_size, "reanchored": reanchor}
         except BaseException as e:
@@ -471,6 +555,7 @@ class OuterSync:
         *,
         rank: int,
         group_size: int,
+        bits: int = 32,
         outer_lr: float = 0.7,
         momentum: float = 0.9,
         seed: int,
@@ -492,6 +577,7 @@ class OuterSync:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
+        self.bits = outer_quant.check_bits(bits)
         if not 1 <= min_group_size <= group_size:
             raise ValueError(f"need 1 <= min_group_size <= group_size, got {min_group_size}, {group_size}")
         if timeout <= 0 or matchmaking_time <= 0:
@@ -539,8 +625,16 @@ class OuterSync:
             self.outer = GaslocOuter(outer_lr, momentum, mix_weight=1.0)
             self.outer.z_prev = dict(self._mom)
         self.compressed = [n for n in self.names if n in err]
+        # error feedback of the tensors averaged densely when they travel at 8/4 bits
+        self._qerr = {
+            n: torch.zeros(self._theta[n].shape, dtype=torch.float32)
+            for n in self.names
+            if self.bits != 32 and n not in err
+        }
         self.numel = sum(t.numel() for t in self._theta.values())
         self.config_tag = f"v{STATE_VERSION}/{mode}/r{self.rank}/s{self.seed}/c{self.min_compress_numel}"
+        if self.bits != 32:  # (fp32 runs keep the tag, and so the checkpoints, they had)
+            self.config_tag += f"/b{self.bits}"
         self.lineage = _lineage_of(
             [*self._theta.values(), *self._mom.values()], f"{self.config_tag}/{self.names}"
         )
@@ -561,7 +655,9 @@ class OuterSync:
             q=q,
             theta=self._theta,
             mom=self._mom,
+            qerr=self._qerr,
             rank=self.rank,
+            bits=self.bits,
             seed=self.seed,
             min_compress_numel=self.min_compress_numel,
             config_tag=self.config_tag,
@@ -687,9 +783,10 @@ class OuterSync:
                 bytes_sent=sent,
                 dense_bytes=round(8 * (group - 1) * self.numel / group),
                 seconds=time.monotonic() - t0,
-                payload_bytes=4 * payload,
+                payload_bytes=payload,
                 reanchored=reanchored,
                 attempts=attempts,
+                group=lineage[:12],
             )
             try:  # donors with more outer steps are preferred by joining peers
                 self._avg.state_sharing_priority = float(self.outer_steps)
@@ -801,6 +898,7 @@ class OuterSync:
             mom=dict(zip(self.names, tensors[k : 2 * k])),
             q=dict(zip(self.compressed, tensors[2 * k :])),
             error=None,
+            qerr=None,
             lineage=str(meta["lineage"]),
             outer_steps=int(meta["outer_steps"]),
             set_params=True,
@@ -827,6 +925,7 @@ class OuterSync:
                         "state": {n: self._mom[n].clone() for n in self.names},
                     },
                     "compressor": comp.state_dict(),
+                    "quant_error": {n: e.clone() for n, e in self._qerr.items()},
                     "lineage": self.lineage,
                     "totals": dict(self.totals),
                 }
@@ -843,6 +942,7 @@ class OuterSync:
             mom=sd["outer"]["state"],
             q={n: comp_sd["q"][n] for n in self.compressed},
             error={n: comp_sd["error"][n] for n in self.compressed},
+            qerr=sd.get("quant_error"),
             lineage=str(sd["lineage"]),
             outer_steps=int(sd["outer"]["steps"]),
             set_params=set_params,
@@ -850,7 +950,7 @@ class OuterSync:
         self.totals.update(sd.get("totals", {}))
 
     @torch.no_grad()
-    def _load(self, *, theta, mom, q, error, lineage, outer_steps, set_params) -> None:
+    def _load(self, *, theta, mom, q, error, qerr, lineage, outer_steps, set_params) -> None:
         with self._cond:
             if self._inflight is not None:
                 raise RuntimeError("cannot load state while a round is in progress")
@@ -864,6 +964,8 @@ class OuterSync:
                         self._avg.err[n].zero_()
                     else:
                         self._avg.err[n].copy_(error[n])
+                for n, e in self._qerr.items():  # per peer: a downloaded state starts it at zero
+                    e.copy_(qerr[n]) if qerr is not None else e.zero_()
             self.lineage = lineage
             self.outer_steps = outer_steps
             self.outer.steps = outer_steps
@@ -908,7 +1010,8 @@ class OuterSync:
 
 
 def _unpack_part(msg):
-    return deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression
+    part = msg.tensor_part
+    return quant_wire.unpack(part), msg.weight, part.compression, quant_wire.bits_of(part)
 
 
 def _one_line(e: BaseException) -> str:

@@ -215,6 +215,7 @@ def run_view(run: RunRecord) -> dict:
             "outer_every": run.outer.every,
             "outer_mode": run.outer.mode,
             "powersgd_rank": run.outer.rank,
+            "outer_bits": run.outer.bits,
             "group_size": run.outer.group_size,
         },
         "batch_tokens": run.batch_tokens,
