@@ -53,3 +53,13 @@ def test_volunteer_internet_ci_sized(tmp_path):
     for rounds in r["outer_rounds"].values():
         assert rounds["committed"] > 0, r["outer_rounds"]
     assert r["connections"].get("relayed", 0) + r["connections"].get("punched", 0) > 0, r["connections"]
+    # every killed node that served a stage (the relay did): its stage was served again, and when
+    recs = r["recoveries"]
+    assert any(x["node"] == "pub1" for x in recs) and all(x["reported_s"] is not None for x in recs), recs
+    # the groups' membership (RoundStats.group, equal on every member): a committed round had 2+ members
+    assert r["groups"] and all(
+        sum(c for m, c in st["by_members"].items() if int(m) >= 2) > 0 for st in r["groups"].values()
+    ), r["groups"]
+    # each namespace's interface carried at least what its nodes counted as sent
+    for name, u in r["unaccounted"].items():
+        assert u["tx_per_beat"] > 0 and u["unaccounted_per_beat"] > -0.05 * u["counted_per_beat"], (name, u)

@@ -20,6 +20,7 @@ added delay or jitter: the round trips are the namespaces' own (well under a mil
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -201,6 +202,22 @@ class VolunteerNet:
         time.sleep(down_s)
         _run(["ip", "-n", self.public_ns(i), "link", "set", "eth0", "up"])
         return time.time()
+
+    def node_namespaces(self) -> list[str]:
+        """Every namespace a node runs in: one per public node, one per home (a home's successive
+        volunteers share it); routers and bridges excluded."""
+        return [self.public_ns(i) for i in range(self.n_public)] + [
+            self.home_ns(j) for j in range(len(self.kinds))
+        ]
+
+    def tx_bytes(self, ns: str, dev: str = "eth0") -> int:
+        """Bytes ``dev`` in namespace ``ns`` transmitted (its own counter, every header included);
+        0 when it cannot be read."""
+        p = _run(["ip", "-n", ns, "-s", "-j", "link", "show", "dev", dev], check=False)
+        try:
+            return int(json.loads(p.stdout)[0]["stats64"]["tx"]["bytes"])
+        except (ValueError, LookupError, TypeError):
+            return 0
 
     def pids(self) -> set[int]:
         return namespace_pids(self.created)

@@ -38,6 +38,8 @@ from bench.network.vnet import KINDS, VolunteerNet
 REPO = Path(__file__).resolve().parents[2]
 PORT = 31337
 SMOOTH = 12  # samples in the plot's moving mean (a minute at the default --sample 5)
+TICK_S = 0.5  # how often a kill's stage is looked at until it is served again
+RECOVERY_GIVE_UP_S = 180.0
 
 
 @dataclass
@@ -47,6 +49,7 @@ class Member:
     host: str
     dir: Path
     home: int | None  # None: a public node
+    nat: str | None = None  # the home's NAT kind (vnet.KINDS); None: a public node, or the all-public run
     proc: subprocess.Popen | None = None
     killed_at: float | None = None
     started_at: float = 0.0
@@ -65,6 +68,139 @@ class Run:
     events: list[dict] = field(default_factory=list)
     members: list[Member] = field(default_factory=list)
     final: dict = field(default_factory=dict)
+    # incarnation (its directory's name) -> its latest metrics reading, trimmed (``observe``)
+    latest: dict[str, dict] = field(default_factory=dict)
+    recoveries: list[dict] = field(default_factory=list)  # one per kill (``Recovery``)
+    tx: dict[str, list[int]] = field(default_factory=dict)  # namespace -> [tx bytes at start, at end]
+    tx_span_s: float = 0.0  # seconds between the two tx readings
+
+
+COUNTERS = ("trained_tokens", "relay_failures", "relayed_out", "state_pull_bytes")
+
+
+def _counters(x: dict) -> dict:
+    """The cumulative counters of one runtime's reading (a stage move starts a new runtime, whose
+    counters start again from 0)."""
+    relay = x.get("relay") or {}
+    return {
+        "stage": x.get("stage"),
+        "sent": dict((x.get("sent") or {}).get("bytes", {})),
+        "links": {f"{lk['boundary']}/{lk['direction']}": lk for lk in x.get("links", [])},
+        "trained_tokens": int(x.get("trained_tokens", 0)),
+        "relay_failures": int(relay.get("relay_failures", 0)),
+        "relayed_out": int(relay.get("relayed_out", 0)),
+        "state_pull_bytes": int(x.get("state_pull_bytes", 0)),
+    }
+
+
+def _bank(bank: dict, cur: dict) -> None:
+    """Add a finished runtime's counters ``cur`` to ``bank``."""
+    for k, v in cur["sent"].items():
+        bank["sent"][k] = bank["sent"].get(k, 0) + int(v)
+    for k, lk in cur["links"].items():
+        d = bank["links"].setdefault(k, {"frames": 0, "tokens": 0, "bytes": 0})
+        for f in d:
+            d[f] += int(lk.get(f, 0))
+    st = str(cur["stage"])
+    bank["tokens_by_stage"][st] = bank["tokens_by_stage"].get(st, 0) + cur["trained_tokens"]
+    for k in COUNTERS[1:]:
+        bank[k] = bank.get(k, 0) + cur[k]
+
+
+def totals(n: dict) -> dict:
+    """An incarnation's counters over all its runtimes (``observe``'s bank plus the current one)."""
+    bank = n["bank"]
+    t = {
+        "sent": dict(bank["sent"]),
+        "links": {k: dict(v) for k, v in bank["links"].items()},
+        "tokens_by_stage": dict(bank["tokens_by_stage"]),
+        **{k: bank.get(k, 0) for k in COUNTERS[1:]},
+    }
+    if n["cur"] is not None:
+        _bank(t, n["cur"])
+    return t
+
+
+def observe(run: Run, m: Member, x: dict, rounds_only: bool = False) -> None:
+    """Keep ``m``'s latest reading ``x`` (for a killed node, the one read right after the kill).
+    A stage move starts a new runtime whose counters and round list start empty: when the stage
+    changed or the bytes sent went down, the previous runtime's counters are banked. Every outer round
+    seen for the first time (by its start time) is tagged with the stage the node served then and how
+    it reached each neighbour then (``connections``: peer id -> direct/reversed/punched/relayed).
+    ``rounds_only``: a reading after the node exited (it writes one last file), for the rounds."""
+    if not x:
+        return
+    n = run.latest.setdefault(
+        m.dir.name,
+        {"member": m.name, "ns": m.ns, "nat": m.nat, "peer_id": x.get("peer_id"), "rounds": [], "seen": set(),
+         "cur": None, "moves": 0, "bank": {"sent": {}, "links": {}, "tokens_by_stage": {}}},
+    )  # fmt: skip
+    conns = x.get("connections", {}) or {}
+    for r in x.get("outer_rounds", []):
+        key = (r.get("round"), r.get("started"))
+        if key in n["seen"]:
+            continue
+        n["seen"].add(key)
+        n["rounds"].append(
+            {
+                "stage": x.get("stage"),
+                "skipped": bool(r.get("skipped")),
+                "group": r.get("group", ""),
+                "group_size": r.get("group_size", 1),
+                "seconds": r.get("seconds", 0.0),
+                "conns": dict(conns),
+            }
+        )
+    if rounds_only:
+        return
+    cur = _counters(x)
+    prev = n["cur"]
+    if prev is not None and (
+        prev["stage"] != cur["stage"] or sum(cur["sent"].values()) < sum(prev["sent"].values())
+    ):
+        _bank(n["bank"], prev)
+        n["moves"] += 1
+    n["cur"], n["stage"] = cur, cur["stage"]
+    n["sent"] = totals(n)["sent"]
+
+
+@dataclass
+class Recovery:
+    """How long after a kill its stage was served again by a live node: ``reported_s``, until a live
+    node's metrics file named that stage (0: another replica served it all along); ``computed_s``,
+    until a live node computed a microbatch in it. Polled every ``TICK_S``; a metrics file is
+    rewritten every heartbeat, so each figure is late by up to one heartbeat."""
+
+    t: float  # the kill, seconds into the run
+    node: str
+    stage: int | None
+    t_mono: float
+    base: dict[str, int] = field(default_factory=dict)  # live node -> microbatches when first seen in it
+    reported_s: float | None = None
+    computed_s: float | None = None
+
+    def poll(self, members: list[Member], now: float) -> bool:
+        """One look at the live members; True once both figures are known."""
+        for m in members:
+            if m.proc is None or m.proc.poll() is not None:
+                continue
+            x = m.metrics()
+            if not x or x.get("stage") != self.stage:
+                continue
+            if self.reported_s is None:
+                self.reported_s = round(now - self.t_mono, 1)
+            mb = int(x.get("microbatches", 0))
+            if mb > self.base.setdefault(m.dir.name, mb) and self.computed_s is None:
+                self.computed_s = round(now - self.t_mono, 1)
+        return self.reported_s is not None and self.computed_s is not None
+
+    def as_dict(self, heartbeat: float) -> dict:
+        beats = lambda s: None if s is None else round(s / heartbeat, 2)  # noqa: E731
+        return {
+            "t": self.t, "node": self.node, "stage": self.stage,
+            "reported_s": self.reported_s, "reported_beats": beats(self.reported_s),
+            "computed_s": self.computed_s, "computed_beats": beats(self.computed_s),
+        }  # fmt: skip
 
 
 def _spawn(net: VolunteerNet, m: Member, args: list[str]) -> None:
@@ -114,6 +250,7 @@ def sample(run: Run, t0: float, stages: int) -> dict:
         x = m.metrics()
         if not x:
             continue
+        observe(run, m, x)
         rounds = x.get("outer_rounds", [])
         nodes[m.dir.name] = {  # one incarnation: a replacement is a new volunteer
             "stage": x.get("stage"),
@@ -144,11 +281,6 @@ def sample(run: Run, t0: float, stages: int) -> dict:
     return s
 
 
-def swarm_tokens(s: dict, last: int) -> int:
-    """The tails' trained tokens in a sample (live tails only)."""
-    return sum(n["trained_tokens"] for n in s["nodes"].values() if n["stage"] == last)
-
-
 def run_swarm(label: str, net: VolunteerNet, out: Path, a) -> Run:
     """One run: ``a.public`` public nodes, and ``a.homes`` home nodes, behind their NATs when
     ``net`` has homes, else on the public nodes after the first ``a.public`` (the comparison)."""
@@ -163,9 +295,13 @@ def run_swarm(label: str, net: VolunteerNet, out: Path, a) -> Run:
     place = (lambda j: (net.home_ns(j), net.home_addr(j))) if behind_nat else (
         lambda j: (net.public_ns(a.public + j), net.public_addr(a.public + j))
     )  # fmt: skip
-    homes = [Member(f"home{j}", *place(j), out / label / f"home{j}", j) for j in range(a.homes)]
+    homes = [
+        Member(f"home{j}", *place(j), out / label / f"home{j}", j, net.kinds[j] if behind_nat else None)
+        for j in range(a.homes)
+    ]
     run.members = [*pubs, *homes]
     t0 = time.monotonic()
+    run.tx = {m.ns: [net.tx_bytes(m.ns)] for m in run.members}
     _spawn(net, pubs[0], [*base, "--stages", str(a.stages), "--stage", "0"])
     _wait(lambda: (pubs[0].dir / "ready.json").exists(), 180, "the organiser")
     peer = json.loads((pubs[0].dir / "ready.json").read_text())["peer_id"]
@@ -178,24 +314,35 @@ def run_swarm(label: str, net: VolunteerNet, out: Path, a) -> Run:
     next_churn = start + a.churn_every
     relay_killed = bounced = False
     fresh = 0
+    pending: list[Recovery] = []
+    next_sample = time.monotonic()
+
+    def killed(m: Member, now: float, kind: str) -> None:
+        m.proc.kill()
+        m.proc.wait(10)
+        x = m.metrics()  # its last heartbeat's reading: what it had sent and the rounds it was in
+        observe(run, m, x)
+        ev = {"t": round(now - t0, 1), "kind": kind, "node": m.dir.name, "stage": x.get("stage")}
+        run.events.append(ev)
+        if x.get("stage") is None:  # it had not taken a stage yet: nothing to serve again
+            return
+        rec = Recovery(ev["t"], m.dir.name, x.get("stage"), now)
+        rec.poll(run.members, now)  # another replica of the stage: served all along
+        pending.append(rec)
+        run.recoveries.append(rec)
+
     while time.monotonic() - start < a.minutes * 60:
         now = time.monotonic()
         if now >= next_churn and homes:
             victim = rng.choice([m for m in homes if m.proc and m.proc.poll() is None] or homes)
-            victim.proc.kill()
-            victim.proc.wait(10)
+            killed(victim, now, "kill")
             fresh += 1
-            stage = (victim.metrics() or {}).get("stage")
-            run.events.append(
-                {"t": round(now - t0, 1), "kind": "kill", "node": victim.dir.name, "stage": stage}
-            )
             victim.dir = out / label / f"{victim.name}-{fresh}"  # a fresh volunteer: new identity
             _spawn(net, victim, join)
             next_churn = now + a.churn_every
         if not relay_killed and len(pubs) > 1 and now - start >= a.relay_kill_at:
-            pubs[1].proc.kill()
+            killed(pubs[1], now, "relay killed")
             relay_killed = True
-            run.events.append({"t": round(now - t0, 1), "kind": "relay killed", "node": "pub1"})
         if not bounced and now - start >= a.bounce_at:  # home 0's router, or its own line
             if behind_nat:
                 net.bounce_uplink(0)
@@ -203,9 +350,15 @@ def run_swarm(label: str, net: VolunteerNet, out: Path, a) -> Run:
                 net.bounce_public(a.public)
             bounced = True
             run.events.append({"t": round(now - t0, 1), "kind": "uplink bounced", "node": "home0"})
-        sample(run, t0, a.stages)
-        time.sleep(a.sample)
+        pending = [r for r in pending if not r.poll(run.members, now) and now - r.t_mono < RECOVERY_GIVE_UP_S]
+        if now >= next_sample:
+            sample(run, t0, a.stages)
+            next_sample = now + a.sample
+        time.sleep(TICK_S if pending else max(0.0, min(TICK_S * 4, next_sample - time.monotonic())))
     run.final = sample(run, t0, a.stages)
+    for ns, tx in run.tx.items():
+        tx.append(net.tx_bytes(ns))
+    run.tx_span_s = time.monotonic() - t0
     for m in run.members:
         if m.proc and m.proc.poll() is None:
             m.proc.terminate()
@@ -215,6 +368,7 @@ def run_swarm(label: str, net: VolunteerNet, out: Path, a) -> Run:
                 m.proc.wait(60)
             except subprocess.TimeoutExpired:
                 m.proc.kill()
+        observe(run, m, m.metrics(), rounds_only=True)  # its last file, written on the way out
     return run
 
 
@@ -259,6 +413,128 @@ def in_flight_to(run: Run, event: dict, max_inflight: int) -> int:
     return max_inflight * max(1, upstream)
 
 
+def groups_by_stage(run: Run) -> dict[str, dict]:
+    """The committed outer rounds, one per group: every member of a committed round's group reports
+    the same ``group`` id (node/dp/diloco.py RoundStats), so the members' readings put together give
+    each round's membership (a member killed within a heartbeat of the round, or one that never wrote
+    it, leaves its group short of ``group_size``: ``unseen``, and such a group is not called
+    all-NAT). Per stage: groups committed, by member count; those of NAT'd members
+    only, and of them those with a member behind a symmetric NAT (``sym``) or a carrier NAT
+    (``cgnat``); how those all-NAT groups' members reached each other (each member's ``connections``
+    entry for each other member when the round was first seen; ``unlisted``: not a neighbour it
+    tracks); the rounds' gathering time (``seconds``, median and max) and the member-rounds whose
+    group had a member this bench never saw report it (``unseen``)."""
+    groups: dict[str, dict] = {}
+    for name, n in run.latest.items():
+        for r in n["rounds"]:
+            if r["skipped"] or not r["group"]:
+                continue
+            g = groups.setdefault(r["group"], {"stage": r["stage"], "size": r["group_size"], "members": []})
+            g["members"].append((name, n, r))
+    out: dict[str, dict] = {}
+    for g in groups.values():
+        st = out.setdefault(
+            str(g["stage"]),
+            {"committed": 0, "by_members": {}, "all_nat": 0, "all_nat_sym": 0, "all_nat_cgnat": 0,
+             "all_nat_pairs": {}, "unseen": 0, "seconds": []},
+        )  # fmt: skip
+        st["committed"] += 1
+        k = str(len(g["members"]))
+        st["by_members"][k] = st["by_members"].get(k, 0) + 1
+        st["unseen"] += int(len(g["members"]) < g["size"])
+        st["seconds"] += [r["seconds"] for _, _, r in g["members"]]
+        nats = [n["nat"] for _, n, _ in g["members"]]
+        if all(nats) and len(nats) >= g["size"]:  # every member seen, every one NAT'd
+            st["all_nat"] += 1
+            st["all_nat_sym"] += int("sym" in nats)
+            st["all_nat_cgnat"] += int("cgnat" in nats)
+            for _, n, r in g["members"]:
+                for _, o, _ in g["members"]:
+                    if o is not n:
+                        kind = r["conns"].get(o["peer_id"], "unlisted")
+                        st["all_nat_pairs"][kind] = st["all_nat_pairs"].get(kind, 0) + 1
+    for st in out.values():
+        secs = sorted(st.pop("seconds"))
+        st["seconds_median"] = round(secs[len(secs) // 2], 1) if secs else None
+        st["seconds_max"] = round(secs[-1], 1) if secs else None
+    return dict(sorted(out.items()))
+
+
+def unaccounted(run: Run, heartbeat: float) -> dict[str, dict]:
+    """Per node namespace (a public node's, or a home's, shared by its successive volunteers): the
+    bytes its interface transmitted over the run less the bytes its nodes counted as sent (the last
+    reading of each; ``node.stage.metrics.sent_bytes``), per heartbeat: DHT, libp2p and TCP/IP
+    overhead (and retransmissions on the lossy lines), plus what a killed node sent after its last
+    heartbeat's reading, and what it served a joiner of its stage as hivemind's outer-state download
+    (counted by neither side; ``link_ledger``)."""
+    beats = max(1.0, run.tx_span_s / heartbeat)
+    counted: dict[str, int] = {}
+    label: dict[str, str] = {}
+    for n in run.latest.values():
+        counted[n["ns"]] = counted.get(n["ns"], 0) + sum(int(v) for v in n["sent"].values())
+        label[n["ns"]] = n["member"] + (f" ({n['nat']})" if n["nat"] else "")
+    out = {}
+    for ns, tx in run.tx.items():
+        if len(tx) < 2:
+            continue
+        sent = tx[1] - tx[0]
+        c = counted.get(ns, 0)
+        out[label.get(ns, ns)] = {
+            "tx_per_beat": round(sent / beats),
+            "counted_per_beat": round(c / beats),
+            "unaccounted_per_beat": round((sent - c) / beats),
+        }
+    return out
+
+
+def link_ledger(run: Run, last: int) -> dict:
+    """Where the link bytes go (the swarm's sums over every incarnation's runtimes, killed ones and
+    those before a stage move included): per boundary and direction, frames, tokens and bytes (a
+    forward frame with no backward reply across the same boundary was retried or lost on the way);
+    the tokens trained per stage, the tails' being ``sent_per_token``'s divisor; the relay counters
+    (streams sent through a relay, relays that could not be reached); the stage moves; the bytes
+    joiners pulled as weights (``state_pull_bytes``; hivemind's outer-state download to a joiner
+    is counted by neither side)."""
+    ledger: dict[str, dict[str, int]] = {}
+    tokens: dict[str, int] = {}
+    extra = dict.fromkeys(COUNTERS[1:], 0)
+    for n in run.latest.values():
+        if n["cur"] is None:
+            continue
+        t = totals(n)
+        for key, lk in t["links"].items():
+            d = ledger.setdefault(key, {"frames": 0, "tokens": 0, "bytes": 0})
+            for k in d:
+                d[k] += lk[k]
+        for st, v in t["tokens_by_stage"].items():
+            tokens[st] = tokens.get(st, 0) + v
+        for k in extra:
+            extra[k] += t[k]
+    return {
+        "links": dict(sorted(ledger.items())),
+        "tokens_by_stage": dict(sorted(tokens.items())),
+        "tail_trained_tokens": tokens.get(str(last), 0),
+        "moves": sum(n["moves"] for n in run.latest.values()),
+        **extra,
+    }
+
+
+def sent_per_token_all(run: Run, last: int) -> dict[str, float]:
+    """``sent_per_token`` over every incarnation's runtimes (stage moves banked, ``observe``)."""
+    from node.stage.metrics import bytes_per_token
+
+    kinds: dict[str, int] = {}
+    tokens = 0
+    for n in run.latest.values():
+        if n["cur"] is None:
+            continue
+        t = totals(n)
+        for k, v in t["sent"].items():
+            kinds[k] = kinds.get(k, 0) + v
+        tokens += t["tokens_by_stage"].get(str(last), 0)
+    return {k: round(v, 1) for k, v in bytes_per_token(kinds, tokens).items()}
+
+
 def summarize(run: Run, a, warm_s: float) -> dict:
     """The figures of one run (the module docstring)."""
     last = a.stages - 1
@@ -266,11 +542,15 @@ def summarize(run: Run, a, warm_s: float) -> dict:
     series = []
     prev = None
     for s in run.samples:
-        tok = swarm_tokens(s, last)
-        if prev is not None and s["t"] > prev[0]:
-            series.append((s["t"], max(0.0, (tok - prev[1]) / (s["t"] - prev[0]))))
-        prev = (s["t"], tok)
-    # tokens/s over the measured window: the sum of positive increments (a killed tail's count resets)
+        if prev is not None and s["t"] > prev["t"]:  # each tail's own increment: a node that left the
+            gained = sum(  # tail (killed, moved) takes its count away, and must not cancel the others'
+                max(0, n["trained_tokens"] - prev["nodes"][name]["trained_tokens"])
+                for name, n in s["nodes"].items()
+                if n["stage"] == last and prev["nodes"].get(name, {}).get("stage") == last
+            )
+            series.append((s["t"], gained / (s["t"] - prev["t"])))
+        prev = s
+    # tokens/s over the measured window: the mean of the samples' rates
     window = [r for t, r in series if t >= warm_s]
     tps = sum(window) / len(window) if window else 0.0
     kinds: dict[str, int] = {}
@@ -316,7 +596,8 @@ def summarize(run: Run, a, warm_s: float) -> dict:
         # tries of a microbatch that waited for an empty next stage instead of being dropped
         "held_all": sum(n.get("held", 0) for n in last_seen.values()),
         # bytes every node sent, by kind (node.stage.metrics.sent_bytes), per token the tails trained
-        "sent_per_token": sent_per_token(last_seen.values()),
+        "sent_per_token": sent_per_token_all(run, last),
+        "sent_per_token_last_readings": sent_per_token(last_seen.values()),  # as the first two sections
         "in_flight_bound": bound,
         "outer_rounds": {
             str(k): v for k, v in sorted(rounds.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
@@ -335,10 +616,79 @@ def summarize(run: Run, a, warm_s: float) -> dict:
             sum(n["rss"] for n in last_seen.values()) / max(1, len(last_seen)) / 2**20, 1
         ),
         "events": run.events,
+        # per kill: seconds (and heartbeats) until a live node reported / computed in its stage
+        "recoveries": [r.as_dict(a.heartbeat) for r in run.recoveries],
+        "groups": groups_by_stage(run),
+        "unaccounted": unaccounted(run, a.heartbeat),
+        "link_ledger": link_ledger(run, last),
         "nodes_seen": len(last_seen),
         "trained_by_node": trained,
         "reachability": {k: n["reachability"] for k, n in sorted(last_seen.items())},
     }
+
+
+def report_md(entry: dict) -> str:
+    """The figures the acceptance asks for, one table, every run a column (REPORT.md)."""
+    runs = entry["runs"]
+    base = next((r for r in runs if r["label"] == "public"), None)
+    rows: list[tuple[str, list[str]]] = []
+
+    def row(name: str, f) -> None:
+        rows.append((name, [str(f(r)) for r in runs]))
+
+    def ratio(r: dict) -> str:
+        return f" ({r['tokens_per_s'] / base['tokens_per_s']:.2f}x)" if base and base["tokens_per_s"] else ""
+
+    def kill(x: dict) -> str:
+        return (
+            f"{x['node']}@{x['t']:.0f}s st{x['stage']}: {x['reported_s']} ({x['reported_beats']}) / "
+            f"{x['computed_s']} ({x['computed_beats']})"
+        )
+
+    row("tokens/s (tails, mean)", lambda r: f"{r['tokens_per_s']}{ratio(r)}")
+    row("dropped after forming (in-flight bound)", lambda r: f"{r['dropped']} ({r['in_flight_bound']})")
+    row("held for an empty stage", lambda r: r["held_all"])
+    stages = sorted({k for r in runs for k in r["groups"]} | {k for r in runs for k in r["outer_rounds"]})
+    for k in stages:
+
+        def g(r: dict, key: str, k: str = k):
+            return r["groups"].get(k, {}).get(key, 0)
+
+        def rounds(r: dict, k: str = k) -> str:
+            return "/".join(
+                str(r["outer_rounds"].get(k, {}).get(x, 0)) for x in ("committed", "skipped", "alone")
+            )
+
+        row(f"stage {k}: member-rounds committed/skipped/alone", rounds)
+        row(
+            f"stage {k}: groups committed (by members)", lambda r: f"{g(r, 'committed')} {g(r, 'by_members')}"
+        )
+        row(
+            f"stage {k}: all-NAT groups (with sym / cgnat)",
+            lambda r: f"{g(r, 'all_nat')} ({g(r, 'all_nat_sym')} / {g(r, 'all_nat_cgnat')})",
+        )
+        row(f"stage {k}: all-NAT pairs reached as", lambda r: g(r, "all_nat_pairs"))
+        row(
+            f"stage {k}: gathering s (median/max)",
+            lambda r: f"{g(r, 'seconds_median')}/{g(r, 'seconds_max')}",
+        )
+    row(
+        "kills: stage served again, s (beats), reported / computed",
+        lambda r: "; ".join(map(kill, r["recoveries"])),
+    )
+    row("connections at the end", lambda r: r["connections"])
+    row("relayed share (MB)", lambda r: f"{r['relayed_share']} ({r['relayed_mb']})")
+    row("sent per trained token", lambda r: r["sent_per_token"])
+    row("link ledger", lambda r: r["link_ledger"])
+    row(
+        "unaccounted B/heartbeat per namespace",
+        lambda r: {k: v["unaccounted_per_beat"] for k, v in r["unaccounted"].items()},
+    )
+    row("CPU s per node per heartbeat", lambda r: r["cpu_s_per_node_per_beat"])
+    row("RSS MB per node", lambda r: r["rss_mb_per_node"])
+    lines = ["| figure | " + " | ".join(r["label"] for r in runs) + " |", "|---" * (len(runs) + 1) + "|"]
+    lines += [f"| {name} | " + " | ".join(v.replace("|", "/") for v in vals) + " |" for name, vals in rows]
+    return "\n".join(lines) + "\n"
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -420,6 +770,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.report:
         rp = Path(a.report)
         rp.with_suffix(".json").write_text(json.dumps(entry, indent=1) + "\n")
+        rp.with_suffix(".md").write_text(report_md(entry))
         plot(results, rp.with_suffix(".png"))
     return 0
 
