@@ -431,6 +431,12 @@ class NodeConfig:
         "feedback; ~3.9x/7.5x fewer bytes) (default: %(default)s)",
         group=RUN,
     )
+    outer_overlap: bool = run_opt(
+        "outer.overlap",
+        help="inner steps go on while an outer round averages (as Streaming DiLoCo); the round's "
+        "update lands a few steps late, on top of what the replica learned meanwhile",
+        group=RUN,
+    )
     group_size: int = run_opt(
         "outer.group_size",
         help="replicas per gossip group in an outer round (default: %(default)s)",

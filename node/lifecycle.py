@@ -23,6 +23,7 @@ import time
 from compression.spectral import SpectralFilter
 from node.dp.anchors import ANCHOR_HANDLER, AnchorClient, PacketSink
 from node.dp.scape import SCAPE_HANDLER, ScapeSync
+from node.dp.strategies import AdamWStep
 from node.dp.tied import TIED_HANDLER, TiedExchange
 from node.net import paths as routes
 from node.net import relay
@@ -442,6 +443,9 @@ class Lifecycle:
                 await asyncio.wait_for(t, timeout=self.hops.deadline(0) + 10)
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 t.cancel()
+        if isinstance(self.stepper.strategy, AdamWStep):
+            with contextlib.suppress(Exception):
+                await self.stepper.strategy.land_round()
         if ctx.cfg.checkpoint_every and self.anchor is None:
             try:
                 await asyncio.wait_for(self.state.checkpoint(wait=True), 120)

@@ -46,6 +46,7 @@ class OuterSettings:
     every: int = _f(DEFAULT_OUTER_EVERY, min=0)  # inner steps between rounds; 0 = never
     rank: int = _f(16, min=0)  # PowerSGD rank; 0 = uncompressed pseudo-gradients
     bits: int = _f(32, choices=(32, 8, 4))  # what a round's numbers travel as (compression/outer_quant.py)
+    overlap: bool = _f(False)  # inner steps go on while a round averages (node/dp/diloco.py, begin/poll)
     group_size: int = _f(2, min=1)
     lr: float = _f(0.7, min=0)
     momentum: float = _f(0.9, min=0)
@@ -144,7 +145,7 @@ def parse_part(name: str, value: Any) -> Any:
 
 def _range(m: dict) -> str:
     if m["choices"]:
-        return "one of " + ", ".join(m["choices"])
+        return "one of " + ", ".join(map(str, m["choices"]))
     lo = f"> {m['above']}" if m["above"] is not None else f">= {m['min']}" if m["min"] is not None else ""
     hi = f"<= {m['max']}" if m["max"] is not None else ""
     return " and ".join(s for s in (lo, hi) if s)

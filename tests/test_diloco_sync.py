@@ -126,6 +126,21 @@ def _worker(index: int, sockdir: str, conn) -> None:
                 t0 = time.monotonic()
                 stats = syncs[stage].round(k)
                 out = (stats.as_dict(), snapshot(stage), time.monotonic() - t0, syncs[stage].lineage)
+            elif cmd == "overlapped":  # begin, take "inner steps" (params += moved), poll till done
+                stage, k, moved, checkpoint = args
+                sync = syncs[stage]
+                sync.begin(k, overlap=True)
+                with torch.no_grad():
+                    for n, t in moved.items():
+                        params[stage][n].add_(t)
+                polls = 0
+                if checkpoint:  # a checkpoint of this thread mid-round applies the round first
+                    sd = sync.state_dict()
+                    assert sd["outer"]["steps"] == sync.outer_steps
+                while (stats := sync.poll()) is None:
+                    polls += 1
+                    time.sleep(0.05)
+                out = (stats.as_dict(), snapshot(stage), polls, sync.under_way)
             elif cmd == "round_then_abort":  # the node is told to stop `delay` s into the round
                 stage, k, delay = args
                 threading.Timer(delay, syncs[stage].abort).start()
@@ -325,8 +340,8 @@ def _run_rounds(peers, stage, theta0, rounds, drift, kwargs, tol):
             assert stats["group_size"] == len(peers), stats
             assert _max_abs(got, want) <= tol, (_max_abs(got, want), stats)
             worst = max(worst, _max_abs(got, want))
-        groups = {o[0]["group"] for o in outs}
-        assert len(groups) == 1 and len(groups.pop()) == 12, [o[0]["group"] for o in outs]  # one group, named alike
+        groups = {o[0]["group"] for o in outs}  # one group, named alike on every member
+        assert len(groups) == 1 and len(groups.pop()) == 12, [o[0]["group"] for o in outs]
         got_all = [o[1] for o in outs]
         assert max(param_distance(got_all[0], g) for g in got_all[1:]) <= 1e-7
         history.append([o[0] for o in outs])
@@ -413,6 +428,34 @@ def test_quantised_rounds_equal_reference_bit_identical_members(peers, bits):
     for peer, err in zip(peers, ref.err):
         sd, _ = peer.call("state_roundtrip", stage)
         assert _max_abs(sd["quant_error"], err) <= 1e-6  # the feedback each member carries on
+    _all(peers, lambda i: ("close", stage), 60)
+
+
+def test_overlapped_round_lands_on_top_of_the_steps_taken_meanwhile(peers):
+    """--outer-overlap: begin() returns at once, the replica keeps stepping (its params move by m_i
+    while the group averages), and the round lands as theta_new + m_i, theta_new being torch's
+    Nesterov on the Deltas taken at begin(); the next round's Delta includes m_i. The second round
+    is checkpointed mid-way on the compute thread (which must apply it, not wait for itself)."""
+    stage, theta0 = 30, _theta0(30, SMALL)
+    kwargs = dict(BASE, rank=0)
+    _all(peers, lambda i: ("open", stage, theta0, kwargs, None), 90)
+    ref = ReferenceDiLoCo(theta0)
+    locals_ = [_dense_drift(theta0, 3000 + i, i) for i in range(3)]
+    _all(peers, lambda i: ("set", stage, locals_[i]), 30)
+    for t in range(2):
+        moved = [
+            _dense_drift({n: torch.zeros_like(v) for n, v in theta0.items()}, 3100 + 10 * t + i)
+            for i in range(3)
+        ]
+        outs = _all(
+            peers, lambda i, t=t, m=moved: ("overlapped", stage, t, m[i], t == 1), BASE["timeout"] + SLACK_S
+        )
+        want = ref.step(locals_)
+        for i, (stats, got, polls, under_way) in enumerate(outs):
+            assert not stats["skipped"] and stats["group_size"] == 3 and not under_way, stats
+            assert polls > 0 or t == 1  # begin() did not wait for the round (the checkpoint did)
+            assert _max_abs(got, {n: want[n] + moved[i][n] for n in want}) <= 1e-5, (t, i)
+        locals_ = [o[1] for o in outs]  # the next round's Delta starts from theta + m_i
     _all(peers, lambda i: ("close", stage), 60)
 
 

@@ -25,8 +25,9 @@ def lora_swarm(tmp_path_factory):
         out,
         "--nodes", "4", "--stages", "2", "--steps", "30", "--model", MODEL, "--lr", "1e-2",
         "--finetune", "lora", "--lora-rank", str(RANK), "--lora-alpha", "32",
-        "--outer-every", "6", "--powersgd-rank", "0", "--outer-bits", "8", "--outer-timeout", "45",
-        "--no-rebalance",
+        "--outer-every", "6", "--powersgd-rank", "0", "--outer-timeout", "45", "--no-rebalance",
+        # rounds at 8 bits, overlapped with the inner steps (the non-overlapped fp32 path: test_swarm)
+        "--outer-bits", "8", "--outer-overlap",
         # QLoRA: the frozen base's linear weights in 4 bits (the fp32 base's pipeline is tested
         # against whole-model peft in tests/test_lora.py; the nf4 one against transformers' too)
         "--base-dtype", "nf4",
@@ -90,6 +91,9 @@ def test_outer_rounds_carry_the_adapters_only_and_replicas_agree(lora_swarm):
         want, tries = wire_nbytes(numel[stage], 8), r.get("attempts", 1)
         assert want <= r["bytes_sent"] <= tries * (1.05 * want + 2048), (stage, r["bytes_sent"], want, tries)
     assert any(r.get("attempts", 1) == 1 for _, r in steady), steady  # one-exchange rounds among them
+    # overlapped: each landed at a later inner step than it began (the steps went on meanwhile)
+    assert all(r["overlapped"] and r["applied"] >= r["step"] for _, r in steady), steady
+    assert any(r["applied"] > r["step"] for _, r in steady), steady
     assert rep["outer"]["max_replica_distance"] is not None
     replicas_agree(rep)
 

@@ -16,7 +16,7 @@ def _record(**kw) -> RunRecord:
 
 def test_record_is_a_plain_msgpack_map_and_round_trips():
     rec = _record(
-        outer=OuterSettings(every=3, mode="gasloc", lr=0.5),
+        outer=OuterSettings(every=3, mode="gasloc", lr=0.5, bits=8, overlap=True),
         dp=DpSettings(mode="scape", density=0.25),
         anchor=AnchorSettings(tau_relative=True, rank=4),
     )
@@ -29,6 +29,8 @@ def test_record_is_a_plain_msgpack_map_and_round_trips():
         "momentum": 0.9,
         "mode": "gasloc",
         "timeout": 20.0,
+        "bits": 8,
+        "overlap": True,
     }
     assert wire["dp"] == {"mode": "scape", "density": 0.25, "timeout": 10.0}
     back = RunRecord.from_dict(wire)
@@ -42,6 +44,8 @@ BAD = [
     ("outer", "lr", True, "outer.lr has type bool"),
     ("outer", "mode", "adam", "outer.mode = 'adam' is out of range (one of diloco, gasloc)"),
     ("outer", "timeout", 0, "outer.timeout = 0 is out of range (> 0)"),
+    ("outer", "bits", 6, "outer.bits = 6 is out of range (one of 32, 8, 4)"),
+    ("outer", "overlap", 1, "outer.overlap has type int"),
     ("dp", "mode", "allreduce", "dp.mode = 'allreduce'"),
     ("dp", "density", 1.5, "dp.density = 1.5 is out of range (> 0 and <= 1)"),
     ("dp", "timeout", [1], "dp.timeout has type list"),

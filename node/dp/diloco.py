@@ -71,7 +71,7 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent import futures
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -539,6 +539,21 @@ def _await_helper(avg: DecentralizedAverager, timeout: float) -> None:
                 raise
 
 
+@dataclass
+class _Round:
+    """A round between ``begin`` and the ``poll`` that hands it back."""
+
+    index: int
+    token: int
+    t0: float
+    deadline: float
+    local: dict[str, torch.Tensor] | None  # the params at begin, for an overlapped round
+    control: object = None  # hivemind's StepControl
+    reason: str = ""  # why it failed, once it has
+    extended: bool = False  # the deadline was moved once for an all-reduce under way
+    thread: int = field(default_factory=threading.get_ident)  # the one that began it (and polls)
+
+
 class OuterSync:
     """DiLoCo / GASLoC outer rounds for one stage's parameters over hivemind gossip groups.
 
@@ -643,6 +658,8 @@ class OuterSync:
         self._cond = threading.Condition()
         self._token = 0
         self._inflight: int | None = None
+        self._round: _Round | None = None  # begun, not yet handed back by poll()
+        self._finished: RoundStats | None = None
         self._closed = False
         self._leaving = threading.Event()  # see abort()
 
@@ -707,10 +724,23 @@ class OuterSync:
         comes back with ``skipped=True`` and leaves every parameter and state as it was.
         ``round_index`` is only reported back (Q salts come from the group id, not from it).
         """
+        self.begin(round_index)
+        self.settle()
+        stats = self.poll()
+        assert stats is not None
+        return stats
+
+    # An overlapped round (--outer-overlap, as Streaming DiLoCo's): ``begin`` hands Delta to the
+    # averager and returns; inner steps go on; ``poll`` between steps applies the round once it is
+    # done. The replica keeps what it learned meanwhile: params <- theta_new + (params - local at
+    # begin), so the next round's Delta holds those steps and nothing is counted twice.
+    def begin(self, round_index: int, *, overlap: bool = False) -> None:
+        """Start a round (compute thread, between inner steps); ``poll``/``settle`` finish it."""
         if self._closed:
             raise RuntimeError("OuterSync is shut down")
+        if self._round is not None:
+            raise RuntimeError("an outer round is already under way")
         t0 = time.monotonic()
-        deadline = t0 + self.timeout
         rec = self._avg.record
         with self._cond:
             self._token += 1
@@ -721,68 +751,101 @@ class OuterSync:
                     torch.sub(self._theta[n], local[n], out=self._delta[n])
                 rec[_ACTIVE], rec[_BYTES], rec[_ATTEMPTS] = token, 0, 0
             self._inflight = token
+        # (a CPU fp32 parameter's .to() is the parameter itself: an overlapped round keeps a copy)
+        kept = {n: t.clone() for n, t in local.items()} if overlap else None
+        r = _Round(round_index, token, t0, t0 + self.timeout, kept)
         del local
-        reason, control = "", None
         try:
             if not self._avg.is_alive():
                 raise RuntimeError("the averager process is not running")
-            control = self._avg.step(
+            r.control = self._avg.step(
                 gather={"lineage": self.lineage}, timeout=self.timeout, allow_retries=True, wait=False
             )
-            extended = False
-            while True:  # in slices, so that a node told to stop leaves a lonely round at once
-                if self._leaving.is_set():
-                    if not control.began_allreduce:
-                        raise RuntimeError("the node is leaving the swarm")
-                    # the group formed and the all-reduce is under way: the partners will commit
-                    # it, so finish it (briefly) rather than keep an outer model they no longer hold
-                    deadline = min(deadline, time.monotonic() + LEAVE_GRACE_S)
-                try:
-                    control.result(timeout=min(0.25, max(0.0, deadline - time.monotonic())))
-                    break
-                except futures.TimeoutError:
-                    if time.monotonic() < deadline:
-                        continue
-                    if control.began_allreduce and not extended and not self._leaving.is_set():
-                        # Likewise at the deadline: a replica that gives up on an all-reduce under
-                        # way keeps the old outer model while its partners commit the new one, and
-                        # they stay apart until a later round re-anchors them (seen on a loaded
-                        # 2-core host: one replica committed after 11 s, its partner gave up at 20).
-                        # hivemind bounds the all-reduce itself by the same timeout from its start.
-                        deadline = time.monotonic() + self.timeout
-                        extended = True
-                        log.info(
-                            "outer round %d: all-reduce under way at the deadline; finishing it", round_index
-                        )
-                        continue
-                    raise
-        except Exception as e:  # no group, failed all-reduce, deadline: the round is skipped
-            reason = _one_line(e) or type(e).__name__
-        finally:
-            with self._cond:
-                with self._avg.lock_averaged_tensors:
-                    committed = int(rec[_COMMITTED]) == token
-                    rec[_ACTIVE] = -1  # a late commit of this round is refused from now on
-                    sent, attempts = int(rec[_BYTES]), int(rec[_ATTEMPTS])
-                    group, reanchored, payload = int(rec[_GROUP]), bool(rec[_REANCHOR]), int(rec[_PAYLOAD])
-                    lineage = self._avg.lineage_out.value.decode()
-                    d_hat = {n: self._delta[n].clone() for n in self.names} if committed else None
-                if control is not None and not control.done():
-                    control.cancel()
-                try:
-                    if committed:
-                        self._apply(d_hat, lineage)
-                finally:
-                    self._inflight = None
-                    self._cond.notify_all()
+        except Exception as e:
+            r.reason = _one_line(e) or type(e).__name__
+        self._round = r
+
+    def settle(self) -> None:
+        """Wait until the round under way (if any) is done or given up; ``poll`` then returns it."""
+        if self._round is not None and self._finished is None:
+            self._finished = self._finish(self._round, block=True)
+
+    def poll(self) -> RoundStats | None:
+        """The round's stats once it is done and applied (once), else None without waiting."""
+        if self._finished is None and self._round is not None:
+            self._finished = self._finish(self._round, block=False)
+        stats, self._finished = self._finished, None
+        if stats is not None:
+            self._round = None
+        return stats
+
+    @property
+    def under_way(self) -> bool:
+        return self._round is not None
+
+    def _wait(self, r: _Round, block: bool) -> bool:
+        """True once the averager's step ended (or raised: the round failed); False if not yet."""
+        while True:  # in slices, so that a node told to stop leaves a lonely round at once
+            if self._leaving.is_set():
+                if not r.control.began_allreduce:
+                    raise RuntimeError("the node is leaving the swarm")
+                # the group formed and the all-reduce is under way: the partners will commit
+                # it, so finish it (briefly) rather than keep an outer model they no longer hold
+                r.deadline = min(r.deadline, time.monotonic() + LEAVE_GRACE_S)
+            try:
+                wait = min(0.25, max(0.0, r.deadline - time.monotonic())) if block else 0.0
+                r.control.result(timeout=wait)
+                return True
+            except futures.TimeoutError:
+                if time.monotonic() < r.deadline:
+                    if not block:
+                        return False
+                    continue
+                if r.control.began_allreduce and not r.extended and not self._leaving.is_set():
+                    # Likewise at the deadline: a replica that gives up on an all-reduce under
+                    # way keeps the old outer model while its partners commit the new one, and
+                    # they stay apart until a later round re-anchors them (seen on a loaded
+                    # 2-core host: one replica committed after 11 s, its partner gave up at 20).
+                    # hivemind bounds the all-reduce itself by the same timeout from its start.
+                    r.deadline = time.monotonic() + self.timeout
+                    r.extended = True
+                    log.info("outer round %d: all-reduce under way at the deadline; finishing it", r.index)
+                    continue
+                raise
+
+    def _finish(self, r: _Round, block: bool) -> RoundStats | None:
+        rec = self._avg.record
+        if not r.reason:
+            try:
+                if not self._wait(r, block):
+                    return None
+            except Exception as e:  # no group, failed all-reduce, deadline: the round is skipped
+                r.reason = _one_line(e) or type(e).__name__
+        with self._cond:
+            with self._avg.lock_averaged_tensors:
+                committed = int(rec[_COMMITTED]) == r.token
+                rec[_ACTIVE] = -1  # a late commit of this round is refused from now on
+                sent, attempts = int(rec[_BYTES]), int(rec[_ATTEMPTS])
+                group, reanchored, payload = int(rec[_GROUP]), bool(rec[_REANCHOR]), int(rec[_PAYLOAD])
+                lineage = self._avg.lineage_out.value.decode()
+                d_hat = {n: self._delta[n].clone() for n in self.names} if committed else None
+            if r.control is not None and not r.control.done():
+                r.control.cancel()
+            try:
+                if committed:
+                    self._apply(d_hat, lineage, r.local)
+            finally:
+                self._inflight = None
+                self._cond.notify_all()
+        seconds = time.monotonic() - r.t0
         if committed:
             stats = RoundStats(
-                round=round_index,
+                round=r.index,
                 group_size=group,
                 skipped=False,
                 bytes_sent=sent,
                 dense_bytes=round(8 * (group - 1) * self.numel / group),
-                seconds=time.monotonic() - t0,
+                seconds=seconds,
                 payload_bytes=payload,
                 reanchored=reanchored,
                 attempts=attempts,
@@ -794,14 +857,14 @@ class OuterSync:
                 pass
         else:
             stats = RoundStats(
-                round=round_index,
+                round=r.index,
                 group_size=1,
                 skipped=True,
                 bytes_sent=sent,
                 dense_bytes=0,
-                seconds=time.monotonic() - t0,
+                seconds=seconds,
                 attempts=attempts,
-                reason=reason or "no group",
+                reason=r.reason or "no group",
             )
         self.totals["rounds"] += 1
         self.totals["committed" if committed else "skipped"] += 1
@@ -810,8 +873,11 @@ class OuterSync:
         return stats
 
     @torch.no_grad()
-    def _apply(self, d_hat: dict[str, torch.Tensor], lineage: str) -> None:
-        """Outer step on theta_global (already re-anchored by the helper if needed); write the params."""
+    def _apply(
+        self, d_hat: dict[str, torch.Tensor], lineage: str, local: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """Outer step on theta_global (already re-anchored by the helper if needed); write the params
+        (plus what they moved since ``local``, the params an overlapped round began from)."""
         theta = self._theta
         if isinstance(self.outer, OuterNesterov):
             self.outer.buffers = dict(self._mom)  # updated in place (shared memory)
@@ -831,7 +897,11 @@ class OuterSync:
                 theta[n].copy_(new[n])
         for n in self.names:
             p = self._params[n]
-            p.data.copy_(theta[n].to(device=p.device, dtype=p.dtype))
+            if local is None:
+                p.data.copy_(theta[n].to(device=p.device, dtype=p.dtype))
+            else:
+                moved = p.detach().to("cpu", torch.float32) - local[n]
+                p.data.copy_((theta[n] + moved).to(device=p.device, dtype=p.dtype))
         self.lineage = lineage
         self.outer_steps += 1
 
@@ -907,6 +977,8 @@ class OuterSync:
 
     def state_dict(self) -> dict:
         """theta_global, outer optimizer state, compressor state (PowerSGD.state_dict format), lineage."""
+        if self._round is not None and self._round.thread == threading.get_ident():
+            self.settle()  # an overlapped round of this (compute) thread: applied first, not waited on
         with self._cond:
             self._wait_idle(30.0)
             with self._avg.lock_averaged_tensors:

@@ -11,6 +11,7 @@ strategy fills ``node.stage.step.StepStrategy``; the stage's ``Stepper`` calls i
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -80,6 +81,7 @@ class AdamWStep:
         self.tied = tied
         self.deferred = None if outer is not None else deferred  # builds ``outer`` once a partner appears
         self.last_round: int | None = None  # the stage round this replica took last (None: not yet known)
+        self._begun: dict = {}  # where the round under way began (for its metrics record)
 
     def _apply(self, microbatches: int, tied_partner: torch.Tensor | None = None) -> bool:
         ctx = self.ctx
@@ -117,6 +119,11 @@ class AdamWStep:
             return
         peers = fast_peers_of_stage(ctx)
         steps = [r.inner_step for r in peers.values()]
+        overlap = ctx.run.outer.overlap
+        if self.outer is not None and self.outer.under_way:  # an overlapped round, begun earlier
+            stats = await ctx.compute(self.outer.poll)
+            if stats is not None:
+                self._record(stats)
         if self.last_round is None:
             # first look (a fresh start, a resume, a joiner that adopted the last round's outer state):
             # rounds from the next boundary on, not one its replicas are already past
@@ -138,13 +145,31 @@ class AdamWStep:
         # Replicas meet only if the others can reach their round while we wait in ours: turn
         # microbatches away (upstream retries them on another replica) instead of holding them.
         log.debug("outer round %d at inner step %d (replicas at %s)", due, step, steps)
-        t0 = time.time()
+        if self.outer.under_way:  # the last overlapped round is still going: it ends first
+            await ctx.compute(self.outer.settle)
+            self._record(await ctx.compute(self.outer.poll))
+        self._begun = {"step": step, "peer_steps": steps, "started": time.time(), "overlapped": overlap}
+        if overlap:  # the averager works while the inner steps go on (OuterSync.begin)
+            await ctx.compute(functools.partial(self.outer.begin, due, overlap=True))
+            return
         await self.gate.set_refusing(True)
         try:
             stats = await ctx.compute(self.outer.round, due)
         finally:
             await self.gate.set_refusing(False)
-        ctx.metrics.outer_rounds.append({**stats.as_dict(), "step": step, "peer_steps": steps, "started": t0})
+        self._record(stats)
+
+    async def land_round(self) -> None:
+        """The node leaves: an overlapped round under way ends (briefly if the node was told to stop)
+        and lands, so the outer model saved and reported is the one the partners hold too."""
+        if self.outer is not None and self.outer.under_way:
+            await self.ctx.compute(self.outer.settle)
+            self._record(await self.ctx.compute(self.outer.poll))
+
+    def _record(self, stats) -> None:
+        self.ctx.metrics.outer_rounds.append(
+            {**stats.as_dict(), **self._begun, "applied": self.ctx.inner_step}
+        )
         if stats.skipped:
             log.info("outer round %d skipped: %s", stats.round, stats.reason)
 
