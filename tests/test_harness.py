@@ -398,3 +398,33 @@ def test_emulated_links_refuse_the_entropy_stage_in_one_line():
         _real_and_emulated("lowrank", k=16, basis_dtype="int8", basis_block=32, entropy=True)
     assert "\n" not in str(e.value)
     _real_and_emulated("lowrank", k=16, basis_dtype="int8", basis_block=32, repeats=True)  # sizes bounded
+
+
+def test_outer_sweep_plans_one_run_per_mode_with_its_flags():
+    from bench.network.harness import build_parser, build_plan, outer_rounds
+
+    a = build_parser().parse_args(
+        [
+            "--codec",
+            "dense",
+            "--outer-sweep",
+            "off,rounds,overlap8",
+            "--outer-every",
+            "4",
+            "--node-args",
+            "--x 1",
+        ]
+    )
+    plan = build_plan(a)  # --codec's run, once per outer mode (no run with the node's defaults)
+    assert [over["outer"] for _, _, over in plan] == ["off", "rounds", "overlap8"]
+    assert [over["node_args"] for _, _, over in plan] == [
+        "--x 1 --outer-every 0",
+        "--x 1 --outer-every 4",
+        "--x 1 --outer-every 4 --outer-overlap --outer-bits 8",
+    ]
+    with pytest.raises(ValueError, match="unknown outer mode 'sometimes'"):
+        build_plan(build_parser().parse_args(["--outer-sweep", "sometimes"]))
+    done = {"skipped": False, "seconds": 3.0, "bytes_sent": 10, "overlapped": True}
+    skipped = {"skipped": True, "seconds": 9.0, "bytes_sent": 2}
+    got = outer_rounds([{"outer_rounds": [done, skipped]}, {"outer_rounds": [dict(done, seconds=5.0)]}, {}])
+    assert got == {"committed": 2, "skipped": 1, "overlapped": 2, "mean_seconds": 4.0, "bytes_sent": 22}

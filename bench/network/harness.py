@@ -65,6 +65,23 @@ VARIANTS = {
 }
 
 
+# --outer-sweep: how the stages' replicas run their outer rounds (flags added to every node)
+OUTER_MODES = {
+    "off": "--outer-every 0",
+    "rounds": "--outer-every {every}",  # the compute thread waits for each round (the default)
+    "overlap": "--outer-every {every} --outer-overlap",
+    "overlap8": "--outer-every {every} --outer-overlap --outer-bits 8",
+}
+
+
+def outer_overrides(mode: str, a) -> dict:
+    """The run overrides of one --outer-sweep mode: its flags after --node-args, and its name."""
+    if mode not in OUTER_MODES:
+        raise ValueError(f"unknown outer mode {mode!r}; choose from {', '.join(OUTER_MODES)}")
+    flags = OUTER_MODES[mode].format(every=a.outer_every)
+    return {"node_args": f"{a.node_args} {flags}".strip(), "outer": mode}
+
+
 def variant_from_args(a) -> Variant:
     if a.codec == "dense":
         return Variant("dense", "dense", anchors=a.anchors)
@@ -348,6 +365,20 @@ def _egress_bytes(m: dict) -> int:
 
 def _is_fast(m: dict) -> bool:
     return m.get("circuit", "fast") == "fast"
+
+
+def outer_rounds(metrics: list[dict]) -> dict:
+    """The whole run's outer rounds over all nodes: committed, skipped, and the seconds a committed
+    one took (a waiting round holds its stage's steps that long; an overlapped one does not)."""
+    rounds = [r for m in metrics for r in m.get("outer_rounds", [])]
+    done = [r for r in rounds if not r["skipped"]]
+    return {
+        "committed": len(done),
+        "skipped": len(rounds) - len(done),
+        "overlapped": sum(1 for r in rounds if r.get("overlapped")),
+        "mean_seconds": round(sum(r["seconds"] for r in done) / len(done), 2) if done else None,
+        "bytes_sent": sum(r["bytes_sent"] for r in rounds),
+    }
 
 
 def summarise(snaps: list[dict], a, v: Variant, topo: Topology, t_first: float) -> dict:
@@ -641,7 +672,9 @@ def run_one(a, v: Variant, topo: Topology, out: Path, data: Path, command: str) 
     hidden = hidden_size(a)
     node_cpu, proxy_cpu = _node_cores(cpu, {i: p.pid for i, p in swarm.proxies.items()})
     entry = {
-        "label": v.label,
+        "label": v.label + (f" outer:{a.outer}" if getattr(a, "outer", None) else ""),
+        "outer": getattr(a, "outer", None),
+        "outer_rounds": outer_rounds(metrics),
         "codec": v.codec,
         "mask_rate": v.mask_rate if v.codec == "mask" else None,
         "anchors": v.anchors,
@@ -829,6 +862,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--cut-at", type=float, default=30.0, help="seconds into the window the cut starts")
     p.add_argument("--cut-seconds", type=float, default=30.0, help="how long the link stays down")
+    p.add_argument(
+        "--outer-sweep",
+        default="",
+        help=f"also run --codec with the replicas' outer rounds set each of these ways, from "
+        f"{','.join(OUTER_MODES)} (e.g. off,rounds,overlap)",
+    )
+    p.add_argument(
+        "--outer-every",
+        type=int,
+        default=5,
+        help="--outer-sweep: inner steps between rounds (default: %(default)s)",
+    )
     p.add_argument("--skip-tcp-check", action="store_true", help="skip the raw TCP rate check")
     p.add_argument("--out", default="runs/harness", help="run directories (node logs, report.json)")
     p.add_argument("--results", default=str(RESULTS / "harness.json"), help="append entries here")
@@ -964,6 +1009,8 @@ def build_plan(a) -> list[tuple[float, Variant, dict]]:
     rate = parse_rate(a.rate)
     if a.compare:
         plan = [(rate, *_variant(n)) for n in a.codecs.split(",") if n.strip()]
+    elif a.outer_sweep:  # the sweep's runs are the --codec run, once per outer mode
+        plan = []
     else:
         plan = [(rate, variant_from_args(a), {})]
     sweep = [_variant(n) for n in a.sweep_codecs.split(",") if n.strip()]
@@ -971,6 +1018,8 @@ def build_plan(a) -> list[tuple[float, Variant, dict]]:
         plan += [(float(r) * 1e6, v, over) for v, over in sweep]
     for rtt in (x for x in a.rtt_sweep.split(",") if x.strip()):
         plan += [(rate, v, {**over, "delay_ms": float(rtt) / 2}) for v, over in sweep]
+    for mode in (x.strip() for x in a.outer_sweep.split(",") if x.strip()):
+        plan.append((rate, variant_from_args(a), outer_overrides(mode, a)))
     inflight_variant, _ = _variant(a.inflight_codec)
     for n in (x for x in a.inflight_sweep.split(",") if x.strip()):
         plan.append((rate, inflight_variant, {"max_inflight": int(n)}))
