@@ -572,6 +572,7 @@ def run_join(cfg: NodeConfig) -> int:
                         timeout=o.timeout,
                         mode=o.mode,
                         theta0=theta0,
+                        wire_key=key,  # the relay handshake of its streams to NAT'd replicas
                     )
                     return outer
 

@@ -396,7 +396,10 @@ class Lifecycle:
                 p2p, ctx.wire, ctx.run.run_id, ctx.cfg.hop_timeout, ctx.cfg.relay_rate * 1e6
             )
             await p2p.add_binary_stream_handler(routes.RELAY_HANDLER, self.relay_server.handle)
-        self.relayed_in = relay.RelayedIn(p2p, ctx.wire, ctx.run.run_id, ctx.cfg.hop_timeout, set())
+        self.relayed_in = relay.RelayedIn(
+            p2p, ctx.wire, ctx.run.run_id, ctx.cfg.hop_timeout, set(),
+            more=lambda: self.outer.relayed_handlers() if self.outer is not None else {},
+        )  # fmt: skip
         await p2p.add_binary_stream_handler(routes.RELAYED_HANDLER, self.relayed_in.handle)
         port = next((t[1] for t in map(tcp_target, self.maddrs) if t is not None), ctx.cfg.port)
         self.puncher = Puncher(p2p, ctx.wire, ctx.run.run_id, (ctx.cfg.host, port), ctx.cfg.hop_timeout)

@@ -218,6 +218,46 @@ def test_two_nat_replicas_average_outer_rounds(routers, tmp_path):
 
 
 @pytest.fixture
+def two_symmetric():
+    """Both home routers randomise ports: no punch gets through; the public node relays."""
+    yield from _topology(random_ports=(0, 1))
+
+
+def test_two_nat_replicas_average_through_a_relay(two_symmetric, tmp_path):
+    """Two heads behind symmetric NATs are replicas of stage 0 next to a public tail (their relay):
+    no connection between them can exist, and hivemind's averager opens its streams through its own
+    daemon client, so its matchmaking and all-reduce go through the tail's relay
+    (``node.dp.relayed_averaging``); their outer rounds commit with each other."""
+    topo = two_symmetric
+    tail = Node(
+        topo, topo.public_ns(0), topo.public_addr(0), tmp_path / "pub",
+        ["--stages", "2", "--stage", "1", "--outer-every", "4", *BIG, *RUN_ID],
+    )  # fmt: skip
+    nodes = [tail]
+    try:
+        peers = [*_bootstrap(tail, topo.public_addr(0)), "--stage", "0", *RUN_ID]
+        for j in (0, 1):
+            nodes.append(Node(topo, topo.home_ns_of(j), topo.home_addr_of(j), tmp_path / f"h{j}", peers))
+
+        def groups(n) -> list[str]:  # the groups of two a head committed rounds in
+            return [
+                r["group"]
+                for r in n.metrics().get("outer_rounds", [])
+                if not r["skipped"] and r["group_size"] == 2
+            ]
+
+        together = "a relayed outer round of the NAT'd replicas"
+        _wait(lambda: set(groups(nodes[1])) & set(groups(nodes[2])), 300, together, *nodes)
+        a, b = (n.metrics() for n in nodes[1:])
+        assert a["reachability"] == b["reachability"] == "nat"
+        assert a["connections"].get(b["peer_id"]) in (None, "relayed"), a["connections"]
+        assert tail.metrics()["relay"]["relayed_bytes"] > 0
+    finally:
+        for n in reversed(nodes):
+            n.stop()
+
+
+@pytest.fixture
 def two_relays():
     """Two public nodes, a port-preserving home and a symmetric one (no punch: relays only)."""
     yield from _topology(random_ports=(1,), n_public=2)

@@ -124,6 +124,17 @@ def test_relay_header_round_trip_and_refusals():
         parse_header(relay_header("vnode.relay", "run", IDS[0], "vnode.relay"), "t")
     with pytest.raises(NotAllowed):  # nor to reach anything but the node's own handlers
         parse_header(relay_header("vnode.relay", "run", IDS[0], "hivemind.rpc"), "t")
+    # and the outer averager's (node.dp.relayed_averaging), named as its helper registers them
+    from node.dp.diloco import _OuterAverager, matchmaking_prefix
+    from node.dp.relayed_averaging import handler_names
+
+    names = handler_names(_OuterAverager, matchmaking_prefix("run.v2", 3))
+    assert "vnode_run_v2_outer_3::_OuterAverager.rpc_join_group" in names and len(names) >= 3
+    for name in names:
+        assert parse_header(relay_header("vnode.relay", "run", IDS[0], name), "t") == (IDS[0], name)
+    for other in ("vnode_run_outer_3::DHTProtocol.rpc_find", "vnode_run_outer_3::_OuterAverager.x"):
+        with pytest.raises(NotAllowed):
+            parse_header(relay_header("vnode.relay", "run", IDS[0], other), "t")
     with pytest.raises(MalformedFrame):
         parse_header(relay_header("vnode.relay", "run", "not a peer id!", "vnode.forward"), "t")
     with pytest.raises(MalformedFrame):

@@ -88,6 +88,7 @@ from compression import outer_quant
 from compression.outer import GaslocOuter, OuterNesterov
 from compression.powersgd import DEFAULT_MIN_COMPRESS_NUMEL, PowerSGD, PowerSGDState, initial_q
 from node.dp import quant_wire
+from node.dp.relayed_averaging import RelayedDialing, forwarder, handler_names
 from node.net.pipes import tolerate_dead_senders
 from node.stop_signal import default_signals_in_child
 from node.swarm.membership import leave_process_group, parent_death_signal
@@ -255,9 +256,16 @@ class _OuterAverager(DecentralizedAverager):
         min_compress_numel: int,
         config_tag: str,
         state_fn,
+        run_id: str = "",
+        stage: int = 0,
+        wire_key: bytes | None = None,
         **kwargs,
     ):
         self.names = list(names)
+        # streams to replicas reachable only through a relay (node/dp/relayed_averaging.py)
+        self.run_id, self.stage, self.wire_key = run_id, int(stage), wire_key
+        self._dialing: RelayedDialing | None = None
+        self.listen_out = mp.RawArray(ctypes.c_char, 512)  # the helper's daemon-client socket
         self.delta, self.err, self.q, self.theta, self.mom = delta, err, q, theta, mom
         self.qerr = qerr  # error feedback of the quantised dense tensors (--outer-bits 8/4)
         self.comp_names = [n for n in self.names if n in err]
@@ -299,6 +307,16 @@ class _OuterAverager(DecentralizedAverager):
         return self._state_fn()
 
     # ------------------------------------------------------------------ helper side
+    async def add_p2p_handlers(self, p2p, wrapper=None, *, namespace=None, balanced=False) -> None:
+        """hivemind's, on the helper's daemon client; first, its streams learn the replicas' relays,
+        and after, the node learns where to hand the relayed streams for these handlers."""
+        if self._dialing is None and self.run_id:
+            timeout = max(1.0, min(10.0, float(self._allreduce_timeout or 10.0) / 2))
+            self._dialing = RelayedDialing(p2p, self.dht, self.run_id, self.stage, self.wire_key, timeout)
+            self._refresher = asyncio.create_task(self._dialing.refresh_forever())
+        await super().add_p2p_handlers(p2p, wrapper, namespace=namespace, balanced=balanced)
+        self.listen_out.value = str(p2p._client_listen_maddr["unix"]).encode()
+
     def _phase_ids(self, group_id: bytes) -> list[bytes]:
         return ([group_id + b".P"] if self.comp_names else []) + [group_id + b".Q"]
 
@@ -582,6 +600,7 @@ class OuterSync:
         next_chunk_timeout: float | None = None,
         state_sharing: bool = True,
         theta0: Mapping[str, torch.Tensor] | None = None,
+        wire_key: bytes | None = None,
     ):
         """``theta0``: the outer model to start from (default: the parameters as they are now). A
         replica that built its outer state only when a partner appeared (node.dp.deferred) passes
@@ -660,6 +679,7 @@ class OuterSync:
         self._inflight: int | None = None
         self._round: _Round | None = None  # begun, not yet handed back by poll()
         self._finished: RoundStats | None = None
+        self._relayed: dict | None = None  # relayed_handlers(), built once
         self._closed = False
         self._leaving = threading.Event()  # see abort()
 
@@ -679,6 +699,9 @@ class OuterSync:
             min_compress_numel=self.min_compress_numel,
             config_tag=self.config_tag,
             state_fn=self._current_state,
+            run_id=run_id,
+            stage=self.stage,
+            wire_key=wire_key,
             dht=dht,
             prefix=self.prefix,
             target_group_size=self.group_size,
@@ -1045,6 +1068,14 @@ class OuterSync:
                 for n in self.names:
                     p = self._params[n]
                     p.data.copy_(self._theta[n].to(device=p.device, dtype=p.dtype))
+
+    def relayed_handlers(self) -> dict:
+        """The averager's stream handlers, for the node's ``RelayedIn``: a relayed stream for one of
+        them goes on to the helper's daemon client (``node.dp.relayed_averaging.forwarder``)."""
+        if self._relayed is None:
+            forward = forwarder(lambda: self._avg.listen_out.value.decode())
+            self._relayed = {name: forward for name in handler_names(_OuterAverager, self.prefix)}
+        return self._relayed
 
     def theta_global(self) -> dict[str, torch.Tensor]:
         """A copy of theta_global (fp32, CPU)."""

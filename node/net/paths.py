@@ -5,6 +5,7 @@ header, which the stream opener ``node.net.rpc`` needs without the relay's serve
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -36,6 +37,11 @@ def choose_relays(candidates: Sequence[str], me: str, k: int = RELAYS_WANTED) ->
     return sorted((c for c in set(candidates) if c != me), key=rank)[:k]
 
 
+# the outer averager's handlers (node.dp.diloco.matchmaking_prefix + hivemind's servicer names):
+# relayed between replicas that reach each other only through a relay (node.dp.relayed_averaging)
+OUTER_HANDLER = re.compile(r"vnode_[A-Za-z0-9_-]+_outer_\d+::_OuterAverager\.rpc_[a-z_]+")
+
+
 def relay_header(kind: str, run_id: str, peer: str, handler: str) -> Frame:
     """The one frame that opens a relayed stream: ``t`` (the target, to a relay) or ``f`` (the
     sender, to the callee), and the handler ``h``."""
@@ -47,7 +53,8 @@ def parse_header(frame: Frame, key: str) -> tuple[str, str]:
     peer, handler = frame.meta.get(key), frame.meta.get("h")
     if not (isinstance(peer, str) and 0 < len(peer) < 128 and isinstance(handler, str)):
         raise MalformedFrame(f"a relay header names a peer ({key}) and a handler (h)")
-    if not handler.startswith("vnode.") or handler in (RELAY_HANDLER, RELAYED_HANDLER):
+    ours = handler.startswith("vnode.") or OUTER_HANDLER.fullmatch(handler) is not None
+    if not ours or handler in (RELAY_HANDLER, RELAYED_HANDLER):
         raise NotAllowed(f"handler {handler!r} cannot be relayed")
     try:
         PeerID.from_base58(peer)

@@ -37,7 +37,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
@@ -195,13 +195,27 @@ class RelayServer:
 class RelayedIn:
     """``vnode.relayed`` on a NAT'd node: a stream one of its relays carries from a caller."""
 
-    def __init__(self, p2p, wire: Wire, run_id: str, timeout: float, relays: set[str]) -> None:
+    def __init__(
+        self,
+        p2p,
+        wire: Wire,
+        run_id: str,
+        timeout: float,
+        relays: set[str],
+        more: Callable[[], Mapping] = dict,
+    ) -> None:
+        """``more()``: handlers served beside the node's own (the outer averager's, which run in
+        its helper process: ``node.dp.relayed_averaging``)."""
         self.p2p, self.wire, self.run_id, self.timeout = p2p, wire, run_id, timeout
+        self.more = more
         # the relays it accepts relayed streams from: every relaying node of the run (its lifecycle
         # updates it each beat). Not only the two it chose and announced: a caller reads that choice
         # from a record up to a few beats old, and a refusal there drops a frame for nothing
         self.relays = relays
         self.accepted = 0
+
+    def handlers(self) -> Mapping:
+        return {**self.more(), **local_handlers(self.p2p)}
 
     async def handle(self, stream_info, reader, writer) -> None:
         relay = str(stream_info.peer_id)
@@ -214,7 +228,7 @@ class RelayedIn:
             caller, handler = parse_header(
                 decode_frame(await s.receive(HEADER_BYTES), run_id=self.run_id), "f"
             )
-            if handler not in local_handlers(self.p2p):
+            if handler not in self.handlers():
                 raise FrameError(f"no handler {handler} here")
             await s.send(Frame(kind="relay", run_id=self.run_id, meta={"ok": 1}))
 
@@ -223,7 +237,7 @@ class RelayedIn:
             await body(s)
             self.accepted += 1
             info = StreamInfo(PeerID.from_base58(caller), stream_info.addr, handler)
-            await local_handlers(self.p2p)[handler](info, reader, writer)
+            await self.handlers()[handler](info, reader, writer)
 
         await until_cancelled(
             serve(
