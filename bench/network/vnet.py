@@ -213,11 +213,16 @@ class VolunteerNet:
     def tx_bytes(self, ns: str, dev: str = "eth0") -> int:
         """Bytes ``dev`` in namespace ``ns`` transmitted (its own counter, every header included);
         0 when it cannot be read."""
+        return self.tx_counters(ns, dev)[0]
+
+    def tx_counters(self, ns: str, dev: str = "eth0") -> tuple[int, int]:
+        """(bytes, packets) ``dev`` in namespace ``ns`` transmitted; (0, 0) when they cannot be read."""
         p = _run(["ip", "-n", ns, "-s", "-j", "link", "show", "dev", dev], check=False)
         try:
-            return int(json.loads(p.stdout)[0]["stats64"]["tx"]["bytes"])
+            tx = json.loads(p.stdout)[0]["stats64"]["tx"]
+            return int(tx["bytes"]), int(tx["packets"])
         except (ValueError, LookupError, TypeError):
-            return 0
+            return 0, 0
 
     def pids(self) -> set[int]:
         return namespace_pids(self.created)

@@ -38,6 +38,7 @@ from bench.network.vnet import KINDS, VolunteerNet
 REPO = Path(__file__).resolve().parents[2]
 PORT = 31337
 SMOOTH = 12  # samples in the plot's moving mean (a minute at the default --sample 5)
+HEADER_B = 66  # Ethernet 14 + IPv4 20 + TCP 20 + its timestamp option 12, per packet
 TICK_S = 0.5  # how often a kill's stage is looked at until it is served again
 RECOVERY_GIVE_UP_S = 180.0
 
@@ -71,7 +72,8 @@ class Run:
     # incarnation (its directory's name) -> its latest metrics reading, trimmed (``observe``)
     latest: dict[str, dict] = field(default_factory=dict)
     recoveries: list[dict] = field(default_factory=list)  # one per kill (``Recovery``)
-    tx: dict[str, list[int]] = field(default_factory=dict)  # namespace -> [tx bytes at start, at end]
+    # namespace -> [(tx bytes, packets) at start, at end]
+    tx: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     tx_span_s: float = 0.0  # seconds between the two tx readings
 
 
@@ -301,7 +303,7 @@ def run_swarm(label: str, net: VolunteerNet, out: Path, a) -> Run:
     ]
     run.members = [*pubs, *homes]
     t0 = time.monotonic()
-    run.tx = {m.ns: [net.tx_bytes(m.ns)] for m in run.members}
+    run.tx = {m.ns: [net.tx_counters(m.ns)] for m in run.members}
     _spawn(net, pubs[0], [*base, "--stages", str(a.stages), "--stage", "0"])
     _wait(lambda: (pubs[0].dir / "ready.json").exists(), 180, "the organiser")
     peer = json.loads((pubs[0].dir / "ready.json").read_text())["peer_id"]
@@ -357,7 +359,7 @@ def run_swarm(label: str, net: VolunteerNet, out: Path, a) -> Run:
         time.sleep(TICK_S if pending else max(0.0, min(TICK_S * 4, next_sample - time.monotonic())))
     run.final = sample(run, t0, a.stages)
     for ns, tx in run.tx.items():
-        tx.append(net.tx_bytes(ns))
+        tx.append(net.tx_counters(ns))
     run.tx_span_s = time.monotonic() - t0
     for m in run.members:
         if m.proc and m.proc.poll() is None:
@@ -466,7 +468,10 @@ def unaccounted(run: Run, heartbeat: float) -> dict[str, dict]:
     reading of each; ``node.stage.metrics.sent_bytes``), per heartbeat: DHT, libp2p and TCP/IP
     overhead (and retransmissions on the lossy lines), plus what a killed node sent after its last
     heartbeat's reading, and what it served a joiner of its stage as hivemind's outer-state download
-    (counted by neither side; ``link_ledger``)."""
+    (counted by neither side; ``link_ledger``). ``headers_per_beat``: the packets' Ethernet, IPv4 and
+    TCP headers (``HEADER_B`` each, pure ACKs included); ``beyond_headers_per_beat``: the rest of the
+    unaccounted bytes (retransmissions, libp2p's framing and encryption, DHT, matchmaking, state
+    downloads)."""
     beats = max(1.0, run.tx_span_s / heartbeat)
     counted: dict[str, int] = {}
     label: dict[str, str] = {}
@@ -477,12 +482,14 @@ def unaccounted(run: Run, heartbeat: float) -> dict[str, dict]:
     for ns, tx in run.tx.items():
         if len(tx) < 2:
             continue
-        sent = tx[1] - tx[0]
+        sent, packets = tx[1][0] - tx[0][0], tx[1][1] - tx[0][1]
         c = counted.get(ns, 0)
         out[label.get(ns, ns)] = {
             "tx_per_beat": round(sent / beats),
             "counted_per_beat": round(c / beats),
             "unaccounted_per_beat": round((sent - c) / beats),
+            "headers_per_beat": round(packets * HEADER_B / beats),
+            "beyond_headers_per_beat": round((sent - c - packets * HEADER_B) / beats),
         }
     return out
 
@@ -681,8 +688,11 @@ def report_md(entry: dict) -> str:
     row("sent per trained token", lambda r: r["sent_per_token"])
     row("link ledger", lambda r: r["link_ledger"])
     row(
-        "unaccounted B/heartbeat per namespace",
-        lambda r: {k: v["unaccounted_per_beat"] for k, v in r["unaccounted"].items()},
+        "unaccounted B/heartbeat per namespace (beyond headers)",
+        lambda r: {
+            k: f"{v['unaccounted_per_beat']} ({v.get('beyond_headers_per_beat')})"
+            for k, v in r["unaccounted"].items()
+        },
     )
     row("CPU s per node per heartbeat", lambda r: r["cpu_s_per_node_per_beat"])
     row("RSS MB per node", lambda r: r["rss_mb_per_node"])
