@@ -51,6 +51,12 @@ group of the same size, 2(k-1)/k * 4 * numel. Over a whole group the sums compar
 sum(bytes_sent) = 2(k-1) * bytes_for(...) + message overhead, sum(dense_bytes) = 8(k-1) numel;
 a single peer's share depends on how hivemind assigns whole 512 KiB parts to reducers.
 
+Bits and overlap. With ``bits`` 8 or 4 every number a round averages (dense Deltas with their own
+error feedback, P and Q under PowerSGD's) travels as blockwise codes (``compression.outer_quant``,
+``node.dp.quant_wire``); the re-anchoring state stays fp32. ``begin``/``poll`` run a round while
+the inner steps go on (``--outer-overlap``); ``round`` is both, waited on. Replicas that reach
+each other only through a relay average through it (``node.dp.relayed_averaging``).
+
 (Over 400 lines on purpose: the host side and the helper process's side of one round share one
 shared-memory layout and one commit protocol; split, neither half reads on its own.)
 """
