@@ -94,6 +94,7 @@ class Lifecycle:
     paths: routes.Paths | None = None
     relay_server: relay.RelayServer | None = None  # a reachable node carries streams for NAT'd ones
     relayed_in: relay.RelayedIn | None = None  # streams our relays carry to us
+    _relays_seen: dict = {}  # relay -> when a record last named it (node.net.paths.trusted_relays)
     my_relays: list[str] = []  # behind NAT: the relays this node keeps connections to
     puncher: Puncher | None = None  # hole punching between NAT'd peers (node.net.punch)
     _punching: asyncio.Task | None = None
@@ -171,8 +172,6 @@ class Lifecycle:
         records = {p: r for stage in ctx.routes for p, r in stage.items()}
         targets = {p for p in callers if p in records and records[p].reach == "direct"} | set(chosen)
         kept = await self.reverser.keep({p: records[p].maddrs for p in targets if p in records})
-        if self.relayed_in is not None:  # accepted from any relay of the run (RelayedIn says why)
-            self.relayed_in.relays = set(candidates)
         # announced as soon as chosen: a record without relays would have callers dial us directly
         mine = [r for r in chosen if r in kept] or chosen
         if mine != self.my_relays:
@@ -234,6 +233,11 @@ class Lifecycle:
         is idle while the node is reachable (a re-check may change that)."""
         ctx = self.ctx
         while not ctx.stop.is_set():
+            if self.relayed_in is not None:  # any relay of the run, for every node (RelayedIn says why)
+                self._relays_seen = routes.trusted_relays(
+                    self._relays_seen, relays_of(ctx.routes, ctx.peer_id), time.monotonic()
+                )
+                self.relayed_in.relays = set(self._relays_seen)
             if self.reverser is not None:
                 try:
                     await self.keep_reversed()

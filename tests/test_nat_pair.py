@@ -205,7 +205,18 @@ def test_two_nat_replicas_average_outer_rounds(routers, tmp_path):
                 for n in nodes[1:]
             )
 
-        _wait(lambda: together() >= 1, 240, "an outer round of the NAT'd replicas together", *nodes)
+        def punched() -> bool:  # both ends carry their connection as punched
+            a, b = (n.metrics() for n in nodes[1:])
+            kinds = (
+                a.get("connections", {}).get(b.get("peer_id")),
+                b.get("connections", {}).get(a.get("peer_id")),
+            )
+            return kinds == ("punched", "punched")
+
+        # (a round may commit through the relay before the punch: node.dp.relayed_averaging)
+        _wait(punched, 240, "a punched connection between the NAT'd replicas", *nodes)
+        done = together()
+        _wait(lambda: together() > done, 240, "an outer round of the NAT'd replicas, punched", *nodes)
         a, b = (n.metrics() for n in nodes[1:])
         assert a["reachability"] == b["reachability"] == "nat"
         # both ends say so: the caller dialled it, the callee carries it to its p2pd

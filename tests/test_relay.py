@@ -212,3 +212,15 @@ def test_a_cancelled_handler_ends_quietly():
         return bare.cancelled(), wrapped.cancelled(), wrapped.exception()
 
     assert asyncio.run(main()) == (True, False, None)
+
+
+def test_trusted_relays_outlive_a_short_read_then_expire():
+    from node.net.paths import RELAY_TRUST_S, trusted_relays
+
+    seen = trusted_relays({}, IDS[:2], now=100.0)
+    assert set(seen) == set(IDS[:2])
+    later = trusted_relays(seen, [IDS[0]], now=100.0 + RELAY_TRUST_S / 2)  # a read that missed IDS[1]
+    assert set(later) == set(IDS[:2])  # still accepted: a short read must not turn its streams away
+    gone = trusted_relays(later, [IDS[0]], now=100.0 + RELAY_TRUST_S + 1)
+    assert set(gone) == {IDS[0]}  # unseen for longer: no longer a relay of this run
+    assert set(trusted_relays(gone, [IDS[2]], now=500.0)) == {IDS[2]}

@@ -21,6 +21,7 @@ RELAYED_HANDLER = "vnode.relayed"  # on a NAT'd node: "this stream comes from pe
 RELAYS_WANTED = 2  # relays a NAT'd node keeps connections to (one dies: the other still carries)
 HEADER_BYTES = 4096
 RELAY_DOWN_S = 30.0  # a relay that could not be reached is tried last for this long
+RELAY_TRUST_S = 120.0  # a relay of the run is accepted this long after a record last said it relays
 MAX_REMEMBERED = 4096  # NAT'd peers whose relays are kept while their record is missing
 
 
@@ -110,6 +111,18 @@ class Paths:
 
     def relay_up(self, relay: str) -> None:
         self.down.pop(relay, None)
+
+
+def trusted_relays(
+    seen: Mapping[str, float], current: Sequence[str], now: float, keep_s: float = RELAY_TRUST_S
+) -> dict[str, float]:
+    """relay -> when last seen relaying: the ones the run's records name now, and those seen within
+    ``keep_s``. Every node accepts relayed streams from these (``RelayedIn``), reachable or not; a
+    DHT read that came back short under load, or a relay not ready for a moment, must not turn away
+    the streams it carries (the 20-minute volunteer run: hundreds refused as "not a relay")."""
+    out = {r: t for r, t in seen.items() if now - t < keep_s}
+    out.update({r: now for r in current})
+    return out
 
 
 def relay_order(relays: Sequence[str], connected: set[str], down: set[str]) -> list[str]:
