@@ -13,7 +13,8 @@ decay, clip 1.0: the demo's and the run record's), kept across rounds. Every H i
 outer round as ``node/dp/diloco.py`` takes it: per tensor delta_i = theta_global - theta_i; at 32
 bits the mean; at 8/4 bits each replica sends ``outer_quant.with_feedback(delta_i, e_i, bits)``
 (its own error-feedback residual per tensor), the mean of what was sent is quantised afresh
-(``outer_quant.roundtrip``, as the reducer returns it), then ``OuterNesterov(0.7, 0.9)`` and every
+(``outer_quant.roundtrip``, as the reducer returns it), then ``OuterNesterov(0.7, 0.9)`` (the node's
+defaults; ``--outer-lr 1 --outer-momentum 0`` is plain averaging) and every
 replica takes theta_global. A run whose steps are not a multiple of H ends with one shorter round.
 
 Baseline "per-step averaging": one model on the same problems, batch R x b (all replicas'
@@ -27,7 +28,7 @@ The inner steps before an H's first round are the same for every bits setting: w
 enough H they run once and the bits settings branch from a snapshot (adapters, AdamW states,
 data RNG states); ``--check`` verifies on a tiny run that a branch ends bit-identical to a run
 from scratch. Tasks run in ``--workers`` processes (one thread each). Writes outer_bits.json /
-.md / .png under ``--out``.
+.md / .png under ``--out`` (outer_bits_TAG.* with ``--tag TAG``).
 """
 
 from __future__ import annotations
@@ -57,7 +58,6 @@ from protocol.settings import FinetuneSettings
 
 DATE = "2026-12-07"
 SEQ_LEN = 64  # the run record's default; a problem is ~17 tokens
-OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 WITHIN = 0.02  # "within 2% of per-step averaging's held-out loss"
 _CTX: dict = {}  # per process: the model, its adapters, the data
 
@@ -278,7 +278,7 @@ def run_diloco(a: dict, h: int, bits_list: list[int], keep_theta: bool = False) 
         name = f"H={h} {bits}-bit"
         thetas, opts, rngs = restore(ctx, snap, a["lr"])
         theta_g = clone(ctx["init"])
-        outer = OuterNesterov(lr=OUTER_LR, momentum=OUTER_MOMENTUM)
+        outer = OuterNesterov(lr=a["outer_lr"], momentum=a["outer_momentum"])
         errs: list[dict] = [{} for _ in range(R)]
         train_loss, rounds, curve = list(prefix_loss), [], []
         next_eval = a["eval_every"]
@@ -367,9 +367,23 @@ def check(a: dict) -> None:
 
 def command_line(a: argparse.Namespace) -> str:
     parts = ["python -m bench.dp.outer_bits"]
-    for k in ("replicas", "batch", "steps", "h", "bits", "workers", "seed", "out"):
+    for k in (
+        "replicas",
+        "batch",
+        "steps",
+        "h",
+        "bits",
+        "outer_lr",
+        "outer_momentum",
+        "workers",
+        "seed",
+        "out",
+        "tag",
+    ):
         v = getattr(a, k)
-        parts.append(f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}")
+        if k == "tag" and not v:
+            continue
+        parts.append(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}")
     return " ".join(parts)
 
 
@@ -382,6 +396,7 @@ def fmt_bytes(x: float) -> str:
 
 def write_report(a: argparse.Namespace, res: dict, per: dict, out: Path, wall: float) -> str:
     k, base = a.replicas, res["per-step"]
+    stem = "outer_bits" + (f"_{a.tag}" if a.tag else "")
     numel = per["numel"]
     n = sum(numel.values())
     base_bytes = allreduce_factor(k) * 4 * n
@@ -467,7 +482,8 @@ Date: {DATE}. Command: `{command_line(a)}` ({wall / 60:.0f} min wall on 2 shared
   delta_i = theta_global - theta_i; 32 bits: the mean; 8/4 bits: each replica sends
   `outer_quant.with_feedback(delta_i, e_i, bits)` (blocks of {outer_quant.BLOCK}, bf16 scales, its own
   error-feedback residual per tensor, kept across rounds), and the mean of what was sent is
-  quantised again (`outer_quant.roundtrip`) as the reducer returns it. Then `OuterNesterov(0.7, 0.9)`
+  quantised again (`outer_quant.roundtrip`) as the reducer returns it. Then
+  `OuterNesterov({a.outer_lr}, {a.outer_momentum})`
   and every replica takes theta_global. theta_global is what is scored, after the last round.
   Rounds: {rounds_note}.{
         f" {a.steps} is not a multiple of H={', '.join(map(str, partial))}: that run ends with one shorter"
@@ -498,7 +514,7 @@ Smallest bytes per inner step within 2% of per-step averaging's held-out loss: {
 Sent-average error per round, ||what the round applied - mean delta|| / ||mean delta||
 (min-max over rounds; 32 bits: 0): {"; ".join(round_diag) if round_diag else "-"}.
 
-![held-out loss against bytes, and curves](outer_bits.png)
+![held-out loss against bytes, and curves]({stem}.png)
 
 Left: final held-out loss against bytes per inner step per replica (log x); the dashed line is per-step
 averaging's loss + 2%. Right: held-out loss of theta_global (per-step: of the model) along the run,
@@ -519,8 +535,8 @@ scored at the first outer round at or after every {a.eval_every} steps.
 * Only the adapters move (LoRA rank 16): full fine-tuning or pretraining deltas, where PowerSGD
   compresses most tensors and its factors would be quantised too, are not measured here.
 """
-    (out / "outer_bits.md").write_text(md)
-    (out / "outer_bits.json").write_text(
+    (out / f"{stem}.md").write_text(md)
+    (out / f"{stem}.json").write_text(
         json.dumps(
             {
                 "date": DATE,
@@ -538,7 +554,7 @@ scored at the first outer round at or after every {a.eval_every} steps.
             indent=1,
         )
     )
-    plot(res, rows, base, numel, out / "outer_bits.png", a)
+    plot(res, rows, base, numel, out / f"{stem}.png", a)
     return table + "\n\nsmallest within 2%: " + answer
 
 
@@ -597,6 +613,9 @@ def main() -> None:
     ap.add_argument("--heldout", type=int, default=64, help="held-out problems (loss over all)")
     ap.add_argument("--em", type=int, default=40, help="of them, scored for exact match")
     ap.add_argument("--eval-every", type=int, default=50, help="held-out loss along the run, every N steps")
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="OuterNesterov lr (the node's default)")
+    ap.add_argument("--outer-momentum", type=float, default=0.9, help="OuterNesterov momentum (the node's)")
+    ap.add_argument("--tag", default="", help="write outer_bits_TAG.* instead of outer_bits.*")
     ap.add_argument("--workers", type=int, default=2, help="processes (one thread each)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results")
