@@ -522,16 +522,14 @@ scored at the first outer round at or after every {a.eval_every} steps.
 
 ## What this does not show
 
-* One seed, one data order, {a.heldout} held-out problems: the differences between the DiLoCo rows
-  are of the size that another seed can move (the arithmetic task is nearly learnt within the first
-  few dozen steps, so the final losses sit close together). "Within 2%" is one run's answer, not a
-  confidence interval.
+* One seed, one data order, {a.heldout} held-out problems: no spread across seeds is measured, so
+  a difference between two rows may be one that another seed moves. "Within 2%" is one run's
+  answer, not a confidence interval.
 * {a.replicas} replicas only, one group, no failures, no stragglers, no joiners; a simulation in one
   process, not the node's wire (no timing, no encode/decode on a socket: the bytes are counted with
   `wire_nbytes`).
-* {a.steps} steps is short: with H=100 there are {a.steps // 100 if a.steps >= 100 else 0} outer rounds,
-  too few for the outer momentum to matter much or for error feedback's residual to build up over
-  a long run.
+* {a.steps} steps is short: with H={max(a.h)} there are {math.ceil(a.steps / max(a.h))} outer rounds,
+  which say little about a long run, and error feedback's residual has few rounds to build up.
 * Only the adapters move (LoRA rank 16): full fine-tuning or pretraining deltas, where PowerSGD
   compresses most tensors and its factors would be quantised too, are not measured here.
 """
