@@ -22,21 +22,27 @@ def routers():
     yield from _topology()
 
 
+def _start(topo, tmp_path, nodes: list) -> Node:
+    """A public tail (stage 1, rounds every 4 steps), then two heads in homes 0 and 1 (stage 0),
+    appended to ``nodes`` as they start (the caller stops them); returns the tail."""
+    tail = Node(
+        topo, topo.public_ns(0), topo.public_addr(0), tmp_path / "pub",
+        ["--stages", "2", "--stage", "1", "--outer-every", "4", *BIG, *RUN_ID],
+    )  # fmt: skip
+    nodes.append(tail)
+    peers = [*_bootstrap(tail, topo.public_addr(0)), "--stage", "0", *RUN_ID]
+    for j in (0, 1):
+        nodes.append(Node(topo, topo.home_ns_of(j), topo.home_addr_of(j), tmp_path / f"h{j}", peers))
+    return tail
+
+
 def test_two_nat_replicas_average_outer_rounds(routers, tmp_path):
     """Two heads behind two routers are replicas of stage 0 next to a public tail: they punch a
     direct connection (the lower peer id calls), and hivemind's averager, which opens its streams
     by peer id through p2pd, rides it; their outer rounds commit with each other."""
-    tail = Node(
-        routers, routers.public_ns(0), routers.public_addr(0), tmp_path / "pub",
-        ["--stages", "2", "--stage", "1", "--outer-every", "4", *BIG, *RUN_ID],
-    )  # fmt: skip
-    nodes = [tail]
+    nodes = []
     try:
-        peers = [*_bootstrap(tail, routers.public_addr(0)), "--stage", "0", *RUN_ID]
-        for j in (0, 1):
-            nodes.append(
-                Node(routers, routers.home_ns_of(j), routers.home_addr_of(j), tmp_path / f"h{j}", peers)
-            )
+        _start(routers, tmp_path, nodes)
 
         def together() -> int:  # rounds each head committed in a group of two
             return min(
@@ -82,16 +88,9 @@ def test_two_nat_replicas_average_through_a_relay(two_symmetric, tmp_path):
     no connection between them can exist, and hivemind's averager opens its streams through its own
     daemon client, so its matchmaking and all-reduce go through the tail's relay
     (``node.dp.relayed_averaging``); their outer rounds commit with each other."""
-    topo = two_symmetric
-    tail = Node(
-        topo, topo.public_ns(0), topo.public_addr(0), tmp_path / "pub",
-        ["--stages", "2", "--stage", "1", "--outer-every", "4", *BIG, *RUN_ID],
-    )  # fmt: skip
-    nodes = [tail]
+    nodes = []
     try:
-        peers = [*_bootstrap(tail, topo.public_addr(0)), "--stage", "0", *RUN_ID]
-        for j in (0, 1):
-            nodes.append(Node(topo, topo.home_ns_of(j), topo.home_addr_of(j), tmp_path / f"h{j}", peers))
+        tail = _start(two_symmetric, tmp_path, nodes)
 
         def groups(n) -> list[str]:  # the groups of two a head committed rounds in
             return [
