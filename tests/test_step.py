@@ -6,7 +6,7 @@ import asyncio
 import pytest
 import torch
 
-from node.dp.strategies import mean_and_clip, outer_round_due
+from node.dp.strategies import RoundClock, mean_and_clip, outer_round_due
 from node.stage.step import Busy, StepGate
 
 
@@ -136,24 +136,40 @@ def test_refusing_gate_turns_work_away_at_once():
     _run(main())
 
 
-def _simulate_rounds(rates: list[float], every: int, ticks: int, follow: bool) -> list[dict[int, int]]:
-    """Replicas stepping at ``rates`` steps per tick, each seeing the others' step of one tick ago
-    (a heartbeat); per replica, round index -> the tick it entered that round."""
-    pos = [0.0] * len(rates)
-    seen = [0] * len(rates)  # what each replica's stage record announced last tick
-    last = [0] * len(rates)
+def _simulate_rounds(
+    rates: list[float],
+    every: int,
+    ticks: int,
+    follow: bool,
+    gone: dict[int, range] | None = None,
+    start: list[int] | None = None,
+    hidden: dict[int, range] | None = None,
+    patience: float = 2.5,
+) -> list[dict[int, int]]:
+    """Replicas stepping at ``rates`` steps per tick (a tick: a heartbeat), each seeing the others'
+    step of one tick ago; replica j is dead during ``gone[j]`` (no step, no record), its record is
+    missed by the others' reads during ``hidden[j]`` (it steps on), and its count starts at
+    ``start[j]``. Per replica, round index -> the tick it entered that round (entering one twice
+    fails: it would wait out the timeout alone)."""
+    pos = [float(x) for x in start or [0] * len(rates)]
+    seen = [int(p) for p in pos]  # what each replica's stage record announced last tick
+    clocks = [RoundClock() for _ in rates]
+    gone, hidden = gone or {}, hidden or {}
     entered: list[dict[int, int]] = [{} for _ in rates]
     for tick in range(ticks):
         announced = list(seen)
         for i, rate in enumerate(rates):
+            if tick in gone.get(i, ()):
+                continue
             before = int(pos[i])
             pos[i] += rate
             if int(pos[i]) == before:
                 continue  # no inner step finished this tick: no look at the rounds
-            peers = [s for j, s in enumerate(announced) if j != i] if follow else []
-            due = outer_round_due(int(pos[i]), peers, every, last[i])
+            unseen = [j for j in range(len(rates)) if tick in gone.get(j, ()) or tick in hidden.get(j, ())]
+            peers = [s for j, s in enumerate(announced) if j != i and j not in unseen]
+            due = outer_round_due(int(pos[i]), peers if follow else [], every, clocks[i], tick, patience)
             if due is not None:
-                last[i] = due
+                assert due not in entered[i], f"replica {i} entered round {due} again at tick {tick}"
                 entered[i][due] = tick
         seen = [int(p) for p in pos]
     return entered
@@ -175,3 +191,28 @@ def test_equal_rates_take_each_round_once_and_a_lone_replica_keeps_its_cadence()
     assert a == b and sorted(a) == list(range(1, 11))
     (alone,) = _simulate_rounds([1.0], every=4, ticks=40, follow=True)
     assert alone == {r: 4 * r - 1 for r in range(1, 11)}
+
+
+def test_when_the_furthest_replica_dies_the_others_take_rounds_on_their_own_counts():
+    # replica 0 has stepped 100 more times than replica 1 (a joiner counts from 0); 0 dies at tick 20
+    ahead, behind = _simulate_rounds(
+        [1.0, 1.0], every=5, ticks=60, follow=True, gone={0: range(20, 100)}, start=[100, 0]
+    )
+    assert ahead == {21: 4, 22: 9, 23: 14, 24: 19}
+    assert all(behind[r] - ahead[r] == 1 for r in (21, 22, 23)), behind  # together, a beat apart
+    # 0 entered round 24 and died. Once it stayed gone 2.5 beats, 1 follows its own count (step 25 at
+    # tick 24): a round every 5 steps. Before the fix: none until its count passed 0's (step 125)
+    assert {r: t for r, t in behind.items() if r < 21} == {r: 24 + 5 * (r - 5) for r in range(5, 13)}, behind
+
+
+def test_a_replica_hidden_for_a_read_is_not_left_behind():
+    # replica 0 leads by 50 steps; for one beat the other's reads miss its record (it steps on)
+    a, b = _simulate_rounds([1.0, 1.0], every=5, ticks=60, follow=True, start=[50, 0])
+    a2, b2 = _simulate_rounds(
+        [1.0, 1.0], every=5, ticks=60, follow=True, start=[50, 0], hidden={0: range(31, 33)}
+    )
+    assert (a2, b2) == (a, b)  # the same rounds at the same beats: 1 waited for 0 to come back (1 was in 16)
+    # following at once instead: 1 would take round 16 again once 0's record was back
+    with pytest.raises(AssertionError, match="entered round 16 again"):
+        _simulate_rounds([1.0, 1.0], every=5, ticks=60, follow=True, start=[50, 0], hidden={0: range(31, 33)},
+                         patience=0)  # fmt: skip

@@ -180,6 +180,7 @@ class Recovery:
     base: dict[str, int] = field(default_factory=dict)  # live node -> microbatches when first seen in it
     reported_s: float | None = None
     computed_s: float | None = None
+    by: str | None = None  # the live node that reported the stage first (a replica, a mover, a joiner)
 
     def poll(self, members: list[Member], now: float) -> bool:
         """One look at the live members; True once both figures are known."""
@@ -191,6 +192,7 @@ class Recovery:
                 continue
             if self.reported_s is None:
                 self.reported_s = round(now - self.t_mono, 1)
+                self.by = m.dir.name
             mb = int(x.get("microbatches", 0))
             if mb > self.base.setdefault(m.dir.name, mb) and self.computed_s is None:
                 self.computed_s = round(now - self.t_mono, 1)
@@ -201,7 +203,7 @@ class Recovery:
         return {
             "t": self.t, "node": self.node, "stage": self.stage,
             "reported_s": self.reported_s, "reported_beats": beats(self.reported_s),
-            "computed_s": self.computed_s, "computed_beats": beats(self.computed_s),
+            "computed_s": self.computed_s, "computed_beats": beats(self.computed_s), "by": self.by,
         }  # fmt: skip
 
 
@@ -233,13 +235,19 @@ def _wait(cond, timeout: float, what: str) -> None:
 
 
 def node_args(a) -> list[str]:
-    return [
-        "--model", a.model, "--codec", "dense", "--seq-len", str(a.seq_len),
+    args = [
+        "--model", a.model, "--codec", a.codec, "--seq-len", str(a.seq_len),
         "--microbatch", str(a.microbatch),
         "--batch-tokens", str(a.batch_tokens), "--run-id", "vnet", "--threads", "1", "--device", "cpu",
-        "--heartbeat", str(a.heartbeat), "--checkpoint-every", "0", "--max-inflight", str(a.max_inflight),
+        "--heartbeat", str(a.heartbeat), "--max-inflight", str(a.max_inflight),
         "--p2pd-timeout", "90", "--join-timeout", "180", "--outer-every", str(a.outer_every),
+        "--data", a.data,
     ]  # fmt: skip
+    args += ["--finetune", a.finetune] if a.finetune else []
+    args += ["--lr", str(a.lr)] if a.lr is not None else []
+    # a learning run (--eval) exports from the checkpoint each node writes when it is stopped
+    # (SIGTERM): only that one, never one mid-run (the lines, not the disk, should set the pace)
+    return args + ["--checkpoint-every", "1000000" if a.eval else "0"]
 
 
 def sample(run: Run, t0: float, stages: int) -> dict:
@@ -314,7 +322,7 @@ def run_swarm(label: str, net: VolunteerNet, out: Path, a) -> Run:
     run.events.append({"t": round(time.monotonic() - t0, 1), "kind": "all started"})
     start = time.monotonic()
     next_churn = start + a.churn_every
-    relay_killed = bounced = False
+    relay_killed = bounced = emptied = False
     fresh = 0
     pending: list[Recovery] = []
     next_sample = time.monotonic()
@@ -345,6 +353,16 @@ def run_swarm(label: str, net: VolunteerNet, out: Path, a) -> Run:
         if not relay_killed and len(pubs) > 1 and now - start >= a.relay_kill_at:
             killed(pubs[1], now, "relay killed")
             relay_killed = True
+        if not emptied and now - start >= a.empty_stage_at:
+            emptied = True
+            victims = lone_stage(run.members)
+            for victim in victims:  # all down before any is looked at: none serves the stage for another
+                victim.proc.kill()
+            for victim in victims:  # then a fresh volunteer in each of their homes
+                killed(victim, now, "stage emptied")
+                fresh += 1
+                victim.dir = out / label / f"{victim.name}-{fresh}"
+                _spawn(net, victim, join)
         if not bounced and now - start >= a.bounce_at:  # home 0's router, or its own line
             if behind_nat:
                 net.bounce_uplink(0)
@@ -372,6 +390,18 @@ def run_swarm(label: str, net: VolunteerNet, out: Path, a) -> Run:
                 m.proc.kill()
         observe(run, m, m.metrics(), rounds_only=True)  # its last file, written on the way out
     return run
+
+
+def lone_stage(members: list[Member]) -> list[Member]:
+    """The live nodes of the stage served by the fewest nodes, all of them homes (a public node is
+    the organiser or a relay, killed on its own schedule): killing them empties the stage. Empty
+    when every stage has a public node."""
+    by_stage: dict[int, list[Member]] = {}
+    for m in members:
+        if m.proc and m.proc.poll() is None and (st := m.metrics().get("stage")) is not None:
+            by_stage.setdefault(st, []).append(m)
+    homes_only = [ms for ms in by_stage.values() if all(m.home is not None for m in ms)]
+    return min(homes_only, key=len, default=[])
 
 
 def sent_per_token(nodes) -> dict[str, float]:
@@ -592,7 +622,9 @@ def summarize(run: Run, a, warm_s: float) -> dict:
     relayed = sum(n["relayed_bytes"] for n in last_seen.values())
     link = sum(n["link_bytes"] for n in last_seen.values())
     bound = sum(
-        in_flight_to(run, e, a.max_inflight) for e in run.events if e["kind"] in ("kill", "relay killed")
+        in_flight_to(run, e, a.max_inflight)
+        for e in run.events
+        if e["kind"] in ("kill", "relay killed", "stage emptied")
     )
     return {
         "label": run.label,
@@ -632,6 +664,17 @@ def summarize(run: Run, a, warm_s: float) -> dict:
         "trained_by_node": trained,
         "reachability": {k: n["reachability"] for k, n in sorted(last_seen.items())},
     }
+
+
+def _eval_cell(r: dict) -> str:
+    ev = r.get("eval") or {}
+    if "em_after" not in ev:
+        return ev.get("error", "-")
+    em = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731  (no completions to match)
+    return (
+        f"{em(ev['em_before'])} -> {em(ev['em_after'])} on {ev['n']} "
+        f"({ev['loss_before']:.3f} -> {ev['loss_after']:.3f})"
+    )
 
 
 def report_md(entry: dict) -> str:
@@ -694,11 +737,43 @@ def report_md(entry: dict) -> str:
             for k, v in r["unaccounted"].items()
         },
     )
+    if any("eval" in r for r in runs):
+        row("held-out exact match before -> after (loss)", _eval_cell)
     row("CPU s per node per heartbeat", lambda r: r["cpu_s_per_node_per_beat"])
     row("RSS MB per node", lambda r: r["rss_mb_per_node"])
     lines = ["| figure | " + " | ".join(r["label"] for r in runs) + " |", "|---" * (len(runs) + 1) + "|"]
     lines += [f"| {name} | " + " | ".join(v.replace("|", "/") for v in vals) + " |" for name, vals in rows]
     return "\n".join(lines) + "\n"
+
+
+def _eval_args(a, data: str):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(mode="finetune", data=data, eval=a.eval, seed=a.seed, model=a.model, device="cpu")
+
+
+def _prepare_eval(a, out: Path) -> tuple[list, dict]:
+    """Hold out ``a.eval`` problems (out/data/heldout.jsonl), point ``a.data`` at the rest, score
+    the base model: node.local.launcher's, as ``swarm --eval`` does."""
+    from node.local.launcher import SwarmError, prepare_eval
+
+    ns = _eval_args(a, a.data)
+    try:
+        held, before = prepare_eval(ns, out)
+    except SwarmError as e:
+        raise SystemExit(f"error: {e}") from None
+    a.data = ns.data
+    return held, before
+
+
+def _score(a, run_dir: Path, held: list, before: dict) -> dict:
+    """The model exported from the final checkpoints under ``run_dir`` (every node writes one when
+    it is stopped; a killed node's is missing, a replica's stands in), scored on ``held``."""
+    from node.local.launcher import finish_model
+
+    result, line = finish_model(_eval_args(a, a.data), run_dir, "vnet", held, before, dirs=[run_dir])
+    print(f"[{run_dir.name}] {line}", flush=True)
+    return result
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -740,10 +815,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--churn-every", type=float, default=180.0)
     p.add_argument("--relay-kill-at", type=float, default=300.0)
     p.add_argument("--bounce-at", type=float, default=420.0)
+    p.add_argument(
+        "--empty-stage-at",
+        type=float,
+        default=1e9,
+        help="seconds in: kill every node of the least-served stage only homes serve, so it is empty "
+        "(a fresh volunteer joins in each of their homes); default never",
+    )
     p.add_argument("--join-gap", type=float, default=2.0)
     p.add_argument("--sample", type=float, default=5.0)
     p.add_argument("--heartbeat", type=float, default=2.0)
-    p.add_argument("--model", default="emulate:2048:8:0.94:256:h100")
+    p.add_argument(
+        "--model",
+        default="emulate:2048:8:0.94:256:h100",
+        help="emulate:... (real-size activations, compute as sleeps: throughput) or a real model, "
+        "'bundled' with --finetune lora --eval N for learning (default: %(default)s)",
+    )
+    p.add_argument("--codec", default="dense", help="the links' codec, as node join --codec")
+    p.add_argument("--finetune", choices=("full", "lora"), default=None, help="as node join --finetune")
+    p.add_argument("--lr", type=float, default=None, help="inner learning rate (node join --lr)")
+    p.add_argument("--data", default="arithmetic", help="the head's data (node join --data)")
+    p.add_argument(
+        "--eval",
+        type=int,
+        default=0,
+        help="hold out N problems of --data, score the base model on them, and after each run the "
+        "model exported from the nodes' final checkpoints (as swarm --eval); a real model only",
+    )
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--microbatch", type=int, default=4)
     p.add_argument("--batch-tokens", type=int, default=1024)
@@ -754,10 +852,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/vnet")
     p.add_argument("--report", default=None, help="write REPORT.json, REPORT.md and REPORT.png")
     a = p.parse_args(argv)
+    if a.eval and a.model.startswith("emulate"):
+        p.error("--eval scores a real model: an emulated one computes nothing (pass --model bundled)")
     check_nat_support()
     out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     kinds = [a.kinds[j % len(a.kinds)] for j in range(a.homes)]
     results, raw = [], {}
+    held = before = None
+    if a.eval:
+        held, before = _prepare_eval(a, out)  # a.data: now the training split
     for label in ("nat", "public"):
         if a.only and a.only != label:
             continue
@@ -773,6 +877,8 @@ def main(argv: list[str] | None = None) -> int:
         warm = a.join_gap * (a.public + a.homes) + a.warmup
         raw[label] = run
         results.append(summarize(run, a, warm))
+        if held:
+            results[-1]["eval"] = _score(a, out / label, held, before)
         print(json.dumps({k: v for k, v in results[-1].items() if k not in ("series", "events")}), flush=True)
     entry = {"args": vars(a), "kinds": kinds, "runs": results}
     for label, run in raw.items():  # every reading, for a second look at what the summary counts

@@ -15,6 +15,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -80,7 +81,7 @@ class AdamWStep:
         self.ctx, self.gate, self.opt, self.spectral, self.outer = ctx, gate, opt, spectral, outer
         self.tied = tied
         self.deferred = None if outer is not None else deferred  # builds ``outer`` once a partner appears
-        self.last_round: int | None = None  # the stage round this replica took last (None: not yet known)
+        self.rounds = RoundClock()  # the stage round this replica took last
         self._begun: dict = {}  # where the round under way began (for its metrics record)
 
     def _apply(self, microbatches: int, tied_partner: torch.Tensor | None = None) -> bool:
@@ -124,14 +125,11 @@ class AdamWStep:
             stats = await ctx.compute(self.outer.poll)
             if stats is not None:
                 self._record(stats)
-        if self.last_round is None:
-            # first look (a fresh start, a resume, a joiner that adopted the last round's outer state):
-            # rounds from the next boundary on, not one its replicas are already past
-            self.last_round = max([step - 1, *steps]) // every
-        due = outer_round_due(step, steps, every, self.last_round)
+        # a missed DHT read hides a live replica for a heartbeat; a dead one's record is gone for good
+        patience = FOLLOW_AFTER_BEATS * ctx.cfg.heartbeat_s
+        due = outer_round_due(step, steps, every, self.rounds, time.monotonic(), patience)
         if due is None:
             return
-        self.last_round = due
         if not peers:  # alone on the stage: nobody to average with
             ctx.metrics.outer_alone += 1
             return
@@ -174,8 +172,21 @@ class AdamWStep:
             log.info("outer round %d skipped: %s", stats.round, stats.reason)
 
 
-def outer_round_due(own_step: int, peer_steps: list[int], every: int, last_round: int) -> int | None:
-    """The stage round to take now, or None.
+FOLLOW_AFTER_BEATS = 2.5  # heartbeats the furthest replica must stay gone before the others follow another
+
+
+@dataclass
+class RoundClock:
+    """Where a replica stands in its stage's rounds (``outer_round_due``)."""
+
+    last: int | None = None  # the stage round taken last (None: not looked yet)
+    behind_since: float | None = None  # since when the furthest replica seen is below ``last``
+
+
+def outer_round_due(
+    own_step: int, peer_steps: list[int], every: int, clock: RoundClock, now: float, patience_s: float
+) -> int | None:
+    """The stage round to take now, or None; ``clock`` keeps the last one taken.
 
     Rounds follow the stage's furthest replica (the inner step its stage record announces), not
     this replica's own count. Replicas step at different rates (two heads share the same tails; a
@@ -184,9 +195,29 @@ def outer_round_due(own_step: int, peer_steps: list[int], every: int, last_round
     furthest, the slower replicas join the round it is in within a heartbeat. DiLoCo's
     pseudo-gradient is the distance from the last outer model, so a replica that took fewer inner
     steps since then still contributes a valid (shorter) one.
+
+    The first look (a fresh start, a resume, a joiner) takes rounds from the next boundary on, not
+    one its replicas are already past. When the furthest replica leaves (killed, moved), the others
+    follow the furthest one left from its next boundary on, once it has stayed gone ``patience_s``:
+    kept at the one that left, a replica whose own count is far behind (a joiner counts from 0)
+    would take no round until it caught up, and one joining it later, following its count, would
+    wait in rounds it never enters (the volunteer-internet bench found a stage without a committed
+    round for the rest of the run). Not at once: a replica hidden by one missed read would come back
+    above, and the others would enter a round it already took, and wait it out alone.
     """
     r = max([own_step, *peer_steps]) // every
-    return r if r > last_round else None
+    if clock.last is None:
+        clock.last = max([own_step - 1, *peer_steps]) // every
+    if r > clock.last:
+        clock.last, clock.behind_since = r, None
+        return r
+    if r == clock.last:
+        clock.behind_since = None
+    elif clock.behind_since is None:
+        clock.behind_since = now
+    elif now - clock.behind_since >= patience_s:
+        clock.last, clock.behind_since = r, None
+    return None
 
 
 class AnchorStep:

@@ -448,8 +448,11 @@ def _em(em: float | None) -> str:
     return "n/a" if em is None else f"{em:.2f}"
 
 
-def finish_model(args, report: Path, run_id: str, held: list | None, before: dict | None) -> tuple[dict, str]:
-    """Export from the nodes' final checkpoints, then score the exported model on the held-out set.
+def finish_model(
+    args, report: Path, run_id: str, held: list | None, before: dict | None, dirs: list[Path] | None = None
+) -> tuple[dict, str]:
+    """Export from the nodes' final checkpoints (under ``dirs``, default ``report/nodes``), then score
+    the exported model on the held-out set.
 
     From checkpoints rather than live peers: the nodes keep training until they are stopped,
     so stages pulled one after the other would each be caught mid-run, while the checkpoint
@@ -468,7 +471,7 @@ def finish_model(args, report: Path, run_id: str, held: list | None, before: dic
     )
     try:
         done = export_from_checkpoints(
-            out, [str(report / "nodes")], run_id, args.model, args.seed, replace=True
+            out, [str(d) for d in dirs or [report / "nodes"]], run_id, args.model, args.seed, replace=True
         )
     except ExportError as e:
         return {"error": str(e)}, f"export failed: {e}"
