@@ -38,3 +38,32 @@ def test_importing_peft_after_the_node_logs_no_kernels_hint():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "kernels" not in p.stderr, p.stderr
+
+
+def test_a_failed_state_download_is_one_line_not_a_traceback():
+    """hivemind logs a joiner's failed state download from a replica gone under churn with its whole
+    traceback (node.dp.diloco drops the traceback: the line names the peer and the error)."""
+    import io
+
+    import node.dp.diloco  # noqa: F401  (installs the filter)
+
+    log = logging.getLogger("hivemind.averaging.averager")
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    log.addHandler(handler)
+    try:
+        try:
+            raise ConnectionError("Connect failed. msg=routing: not found")
+        except ConnectionError as e:
+            log.exception(f"Failed to download state from QmPeer - {e!r}")
+            log.exception("any other failure")
+    finally:
+        log.removeHandler(handler)
+    lines = out.getvalue().splitlines()
+    assert (
+        lines[0]
+        == "Failed to download state from QmPeer - ConnectionError('Connect failed. msg=routing: not found')"
+    )
+    assert (
+        lines[1] == "any other failure" and "Traceback (most recent call last):" in lines[2:]
+    )  # others keep theirs

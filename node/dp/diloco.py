@@ -101,6 +101,22 @@ from node.swarm.membership import leave_process_group, parent_death_signal
 
 log = logging.getLogger("node")
 
+
+class _StateDownloadOneLine(logging.Filter):
+    """A joiner asks the stage's replicas for the outer state in turn; under churn the first one
+    named may be a replica whose record outlived it ("routing: not found"), and hivemind logs that
+    with a whole traceback, then asks the next. The line already names the peer and the error: the
+    traceback told a volunteer nothing, so it is dropped (the record stays, at warning level)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("Failed to download state from"):
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+logging.getLogger("hivemind.averaging.averager").addFilter(_StateDownloadOneLine())
+
 MODES = ("diloco", "gasloc")
 STATE_VERSION = 1
 LEAVE_GRACE_S = 5.0  # a node told to stop finishes an all-reduce under way for at most this long
