@@ -30,9 +30,10 @@ demo: model
 
 # two workers, a test file each at a time: most swarm tests wait on heartbeats and p2pd more than
 # they compute, so two files side by side fit two cores (14.6 -> 11.2 min on 2 cores); a file's
-# module-scoped swarm stays in one worker. `pytest tests/test_x.py` alone runs serially.
+# module-scoped swarm stays in one worker. `pytest tests/test_x.py` alone runs serially. The
+# heaviest files go first (tests/conftest.py HEAVY_FIRST; --no-loadscope-reorder keeps that order).
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 lint: setup
 	$(VENV)/bin/ruff check .

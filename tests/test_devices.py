@@ -94,13 +94,19 @@ print(peak - base, est["total"])
 """
 
 
+def SLOW(values: tuple):
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
 @pytest.mark.parametrize(
     "layers,hidden,mlp,frame,inflight,tail,vocab,base",
     [
-        (2, 1024, 4, 1024, 2, 0, 4096, "full"),  # a body stage with a wide MLP (Llama's is 2.7x)
-        (2, 512, 3, 1024, 3, 1, 4096, "full"),  # the tail: logits and its one live microbatch
+        # the default suite keeps the LoRA tail and QLoRA (12-25 s each on two loaded cores); -m slow
+        # also measures a full body stage, a full tail and LoRA's body
+        SLOW((2, 1024, 4, 1024, 2, 0, 4096, "full")),  # a body stage with a wide MLP (Llama's is 2.7x)
+        SLOW((2, 512, 3, 1024, 3, 1, 4096, "full")),  # the tail: logits and its one live microbatch
         (2, 512, 3, 512, 3, 1, 32000, "fp32"),  # a LoRA tail, where the loss's tensors are most of it
-        (3, 1024, 3, 512, 2, 0, 4096, "fp32"),  # LoRA over an fp32 base (the CPU's default)
+        SLOW((3, 1024, 3, 512, 2, 0, 4096, "fp32")),  # LoRA over an fp32 base (the CPU's default)
         (3, 1024, 3, 512, 2, 0, 4096, "nf4"),  # QLoRA: 4-bit linear weights, dequantized per matmul
     ],
 )
