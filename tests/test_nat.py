@@ -154,6 +154,9 @@ def topo():
         assert not [n for n in leftover_nat_namespaces() if n.startswith(f"vnat{t.tag}-")]
 
 
+# -m slow: the CI-sized volunteer internet (tests/test_volunteer_net.py) has NAT'd nodes of every kind
+# serve stages by reversal, and tests/test_nat_pair.py bounces a NAT'd node's router
+@pytest.mark.slow
 def test_node_behind_nat_serves_a_stage(topo, tmp_path):
     head = Node(
         topo,

@@ -185,6 +185,8 @@ def two_relays():
     yield from _topology(random_ports=(1,), n_public=2)
 
 
+# -m slow: the CI-sized volunteer internet (tests/test_volunteer_net.py) kills a relay mid-run too
+@pytest.mark.slow
 def test_relay_killed_mid_run(two_relays, tmp_path):
     """The relay carrying the pair is killed (SIGKILL): the head trains again through the other one
     within 2 heartbeats, losing at most the microbatches that were in flight."""

@@ -36,6 +36,9 @@ def _start(topo, tmp_path, nodes: list) -> Node:
     return tail
 
 
+# -m slow: the relayed pair below is the case a punch cannot reach; the CI-sized volunteer internet
+# (tests/test_volunteer_net.py) commits rounds of NAT'd replicas, punched and relayed
+@pytest.mark.slow
 def test_two_nat_replicas_average_outer_rounds(routers, tmp_path):
     """Two heads behind two routers are replicas of stage 0 next to a public tail: they punch a
     direct connection (the lower peer id calls), and hivemind's averager, which opens its streams

@@ -60,6 +60,8 @@ def test_volunteer_internet_ci_sized(tmp_path):
     assert r["groups"] and all(
         sum(c for m, c in st["by_members"].items() if int(m) >= 2) > 0 for st in r["groups"].values()
     ), r["groups"]
+    # and some of them had NAT'd members only (reaching each other through relays or punched holes)
+    assert sum(st["all_nat"] for st in r["groups"].values()) > 0, r["groups"]
     # each namespace's interface carried at least what its nodes counted as sent
     for name, u in r["unaccounted"].items():
         assert u["tx_per_beat"] > 0 and u["unaccounted_per_beat"] > -0.05 * u["counted_per_beat"], (name, u)
