@@ -523,6 +523,21 @@ class Lifecycle:
             # a replica that starts from the initial weights silently trains a model of its own.
             await asyncio.sleep(min(ctx.cfg.heartbeat_s, 3.0))
             await self.hops.refresh_routes()
+        if not fast_peers_of_stage(ctx) and _run_has_trained(ctx.routes):
+            # every replica of the stage left (killed, moved): there is nobody to take its weights
+            # from, and starting silently would hide that the stage's progress since its last
+            # checkpoint is lost (the volunteer-internet bench's emptied stage did so)
+            ctx.metrics.restarted_empty_stage = True
+            start = (
+                f"its checkpoint at inner step {ctx.inner_step}" if ctx.inner_step else "the model's weights"
+            )
+            log.warning(
+                "stage %d has no live replica in a run that has trained: this node serves it from %s; "
+                "what the stage's replicas trained since their last checkpoint is lost (a replica that "
+                "comes back with its --state-dir resumes its checkpoint)",
+                ctx.index,
+                start,
+            )
         if fast_peers_of_stage(ctx) and self.outer is not None:
             ok = await ctx.compute(self.outer.load_state_from_peers, ctx.cfg.join_timeout)
             log.info("outer state %s from the stage's replicas", "loaded" if ok else "not available")

@@ -229,6 +229,7 @@ class StageRuntime(Lifecycle):
                 "unpaired": m.tied_unpaired,
             },
             "state_pull_bytes": m.state_pull_bytes,
+            "restarted_empty_stage": m.restarted_empty_stage,
             "outer_rounds": m.outer_rounds,
             "outer_alone": m.outer_alone,
             "dp": self.scape.summary() if self.scape is not None else {"mode": self.run.dp.mode},

@@ -181,6 +181,7 @@ class Recovery:
     reported_s: float | None = None
     computed_s: float | None = None
     by: str | None = None  # the live node that reported the stage first (a replica, a mover, a joiner)
+    restarted: bool = False  # ``by`` took the stage emptied, its training lost (restarted_empty_stage)
 
     def poll(self, members: list[Member], now: float) -> bool:
         """One look at the live members; True once both figures are known."""
@@ -193,6 +194,10 @@ class Recovery:
             if self.reported_s is None:
                 self.reported_s = round(now - self.t_mono, 1)
                 self.by = m.dir.name
+            # a heartbeat or two after it reported the stage, its metrics say how it started
+            self.restarted = self.restarted or (
+                m.dir.name == self.by and bool(x.get("restarted_empty_stage"))
+            )
             mb = int(x.get("microbatches", 0))
             if mb > self.base.setdefault(m.dir.name, mb) and self.computed_s is None:
                 self.computed_s = round(now - self.t_mono, 1)
@@ -204,6 +209,7 @@ class Recovery:
             "t": self.t, "node": self.node, "stage": self.stage,
             "reported_s": self.reported_s, "reported_beats": beats(self.reported_s),
             "computed_s": self.computed_s, "computed_beats": beats(self.computed_s), "by": self.by,
+            "restarted": self.restarted,
         }  # fmt: skip
 
 
@@ -358,6 +364,8 @@ def run_swarm(label: str, net: VolunteerNet, out: Path, a) -> Run:
             victims = lone_stage(run.members)
             for victim in victims:  # all down before any is looked at: none serves the stage for another
                 victim.proc.kill()
+            for victim in victims:
+                victim.proc.wait(10)
             for victim in victims:  # then a fresh volunteer in each of their homes
                 killed(victim, now, "stage emptied")
                 fresh += 1
@@ -693,6 +701,11 @@ def report_md(entry: dict) -> str:
         return (
             f"{x['node']}@{x['t']:.0f}s st{x['stage']}: {x['reported_s']} ({x['reported_beats']}) / "
             f"{x['computed_s']} ({x['computed_beats']})"
+            + (
+                f" by {x['by']}{', its training lost' if x.get('restarted') else ''}"
+                if x.get("reported_s")
+                else ""
+            )
         )
 
     row("tokens/s (tails, mean)", lambda r: f"{r['tokens_per_s']}{ratio(r)}")

@@ -42,6 +42,9 @@ class Metrics:
         self.skipped_steps = 0
         self.filter_s = 0.0
         self.state_pull_bytes = 0
+        # this node took a stage every replica of which had left, in a run that had trained: what
+        # they trained since their last checkpoint is gone (node.lifecycle._join_from_peers)
+        self.restarted_empty_stage = False
         self.outer_rounds: list[dict] = []
         self.outer_alone = 0
         self.checkpoints = 0
