@@ -251,6 +251,7 @@ def node_args(a) -> list[str]:
     ]  # fmt: skip
     args += ["--finetune", a.finetune] if a.finetune else []
     args += ["--lr", str(a.lr)] if a.lr is not None else []
+    args += ["--outer-bits", str(a.outer_bits)] if a.outer_bits else []
     # a learning run (--eval) exports from the checkpoint each node writes when it is stopped
     # (SIGTERM): only that one, never one mid-run (the lines, not the disk, should set the pace)
     return args + ["--checkpoint-every", "1000000" if a.eval else "0"]
@@ -514,7 +515,8 @@ def unaccounted(run: Run, heartbeat: float) -> dict[str, dict]:
     counted: dict[str, int] = {}
     label: dict[str, str] = {}
     for n in run.latest.values():
-        counted[n["ns"]] = counted.get(n["ns"], 0) + sum(int(v) for v in n["sent"].values())
+        # (an incarnation first read in the file it wrote as it stopped has no counters: rounds only)
+        counted[n["ns"]] = counted.get(n["ns"], 0) + sum(int(v) for v in n.get("sent", {}).values())
         label[n["ns"]] = n["member"] + (f" ({n['nat']})" if n["nat"] else "")
     out = {}
     for ns, tx in run.tx.items():
@@ -860,6 +862,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-tokens", type=int, default=1024)
     p.add_argument("--max-inflight", type=int, default=4)
     p.add_argument("--outer-every", type=int, default=20)
+    p.add_argument(
+        "--outer-bits", type=int, choices=(32, 8, 4), default=None, help="as node join --outer-bits"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", choices=("nat", "public"), default=None, help="one of the two runs")
     p.add_argument("--out", default="runs/vnet")
