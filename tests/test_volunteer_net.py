@@ -18,9 +18,10 @@ import pytest
 
 from tests.test_nat import _support_reason
 
-pytestmark = pytest.mark.skipif(bool(reason := _support_reason()), reason=f"needs namespaces + NAT: {reason}")
+_needs_nat = pytest.mark.skipif(bool(reason := _support_reason()), reason=f"needs namespaces + NAT: {reason}")
 
 
+@_needs_nat
 def test_volunteer_internet_ci_sized(tmp_path):
     from bench.network import volunteer_net
     from bench.network.vnet import leftover
@@ -65,3 +66,18 @@ def test_volunteer_internet_ci_sized(tmp_path):
     # each namespace's interface carried at least what its nodes counted as sent
     for name, u in r["unaccounted"].items():
         assert u["tx_per_beat"] > 0 and u["unaccounted_per_beat"] > -0.05 * u["counted_per_beat"], (name, u)
+
+
+def test_a_learning_run_is_scored_from_its_checkpoints_or_says_why_not(tmp_path):
+    """``--eval``: after a run, the model exported from the nodes' final checkpoints is scored
+    (node.local.launcher.finish_model, as ``swarm --eval``); a run that left no checkpoint gets the
+    export's one-line reason in the report, not a crash that loses the run's figures."""
+    from types import SimpleNamespace
+
+    from bench.network.volunteer_net import _eval_cell, _score
+
+    a = SimpleNamespace(eval=2, seed=0, model="tiny:2", data="arithmetic")
+    (tmp_path / "nat" / "home0").mkdir(parents=True)  # a node that wrote no checkpoint
+    ev = _score(a, tmp_path / "nat", held=[], before={"loss": 1.0, "em": 0.0})
+    assert set(ev) == {"error"} and "checkpoint" in ev["error"], ev
+    assert _eval_cell({"eval": ev}) == ev["error"]

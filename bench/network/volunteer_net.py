@@ -764,7 +764,9 @@ def report_md(entry: dict) -> str:
 def _eval_args(a, data: str):
     from types import SimpleNamespace
 
-    return SimpleNamespace(mode="finetune", data=data, eval=a.eval, seed=a.seed, model=a.model, device="cpu")
+    return SimpleNamespace(
+        mode="finetune", data=data, eval=a.eval, seed=a.seed, model=a.model, device="cpu", export=None
+    )
 
 
 def _prepare_eval(a, out: Path) -> tuple[list, dict]:
@@ -896,7 +898,10 @@ def main(argv: list[str] | None = None) -> int:
         raw[label] = run
         results.append(summarize(run, a, warm))
         if held:
-            results[-1]["eval"] = _score(a, out / label, held, before)
+            try:
+                results[-1]["eval"] = _score(a, out / label, held, before)
+            except Exception as e:  # the run's figures above are kept: the report says why no score
+                results[-1]["eval"] = {"error": f"scoring failed: {type(e).__name__}: {e}"}
         print(json.dumps({k: v for k, v in results[-1].items() if k not in ("series", "events")}), flush=True)
     entry = {"args": vars(a), "kinds": kinds, "runs": results}
     for label, run in raw.items():  # every reading, for a second look at what the summary counts
