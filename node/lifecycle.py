@@ -43,7 +43,7 @@ from node.stage.step import StepGate
 from node.stop_signal import StopRequest
 from node.swarm.health import write_health
 from node.swarm.membership import store_stage_record
-from node.swarm.rebalance import Rebalancer, choose_move, move_reason
+from node.swarm.rebalance import Rebalancer, choose_move, filler_rank, is_empty, move_reason
 from node.swarm.reverse import Reverser, dialback_questions
 from node.swarm.routing import fast_peers_of_stage, must_call_me, relays_of
 from node.swarm.weights import WEIGHTS_HANDLER, WeightServer, pull_weights
@@ -55,6 +55,8 @@ from protocol.records import STAGE_RECORD_BEATS, StageRecord
 log = logging.getLogger("node")
 
 
+# nodes that could fill an empty stage re-check it this many record lifetimes apart, in filler_rank's order
+FILLER_SPACING_BEATS = 2
 JOIN_REREADS = 3  # extra reads of a stage that looks empty in a run that has trained (_join_from_peers)
 METRICS_EVERY_S = 1.0  # the metrics file (--metrics-file) is rewritten this often
 
@@ -302,6 +304,11 @@ class Lifecycle:
         # because its peers' heartbeats ran late on a loaded machine shows them again by then, a
         # dead peer's record stays gone (a fresh-clone run under load saw a 2+2 swarm become 1+3)
         recheck_s = rb.jitter() + STAGE_RECORD_BEATS * ctx.cfg.heartbeat_s
+        if is_empty(ctx.routes, target, circuit):
+            # an empty stage draws every node that can spare itself: one at a time, in an agreed
+            # order, each after the one before could have claimed it (two record lifetimes apart)
+            rank = filler_rank(ctx.routes, target, ctx.peer_id, circuit)
+            recheck_s += rank * FILLER_SPACING_BEATS * STAGE_RECORD_BEATS * ctx.cfg.heartbeat_s
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(ctx.stop.wait(), recheck_s)
         if ctx.stop.is_set():

@@ -16,6 +16,7 @@ from node.swarm.rebalance import (
     JITTER_BEATS,
     Rebalancer,
     choose_move,
+    filler_rank,
     move_reason,
     stage_throughputs,
 )
@@ -52,6 +53,25 @@ def test_an_empty_stage_is_filled_by_a_replica():
     assert choose_move(stages, 0, "b") == 1
     assert choose_move(stages, 2, "c") is None  # the tail's only peer stays
     assert move_reason(stages, 1) == "stage 1 has no live peer"
+
+
+def test_the_nodes_that_would_fill_an_empty_stage_take_turns():
+    # every ready peer that can spare itself would move to the empty stage 1 at once (the herd the
+    # 16-node volunteer run saw); filler_rank gives them distinct places that every node computes alike
+    stages = swarm({"a": 100, "b": 100, "c": 100}, {}, {"d": 100, "e": 100, "x": (0, False)}, {"f": 100})
+    would = [p for i, s in enumerate(stages) for p in s if choose_move(stages, i, p) == 1]
+    assert sorted(would) == ["a", "b", "c", "d", "e", "x"]  # not f: its stage's last peer
+    ranks = {p: filler_rank(stages, 1, p) for p in would}
+    assert sorted(ranks.values()) == list(range(6)), ranks
+    assert filler_rank(stages, 1, "f") == 6  # not a mover (or its own record missed): last
+    shuffled = [dict(reversed(list(s.items()))) for s in reversed(stages)]  # records read in another order
+    assert {p: filler_rank(shuffled[::-1], 1, p) for p in would} == ranks
+    # the order is the target's own: over targets, the first filler is not always the same node
+    many = swarm(*[{f"p{i}": 100, f"q{i}": 100} for i in range(4)], *[{} for _ in range(8)])
+    firsts = {
+        min((p for s in many for p in s), key=lambda p, t=t: filler_rank(many, t, p)) for t in range(4, 12)
+    }
+    assert len(firsts) > 1, firsts
 
 
 def test_the_last_ready_peer_never_leaves():

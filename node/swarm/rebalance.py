@@ -17,6 +17,7 @@ ready peer, and stays.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Mapping
 
@@ -97,6 +98,38 @@ def choose_move(
         if min(after) > best_after:  # strictly: ties keep the lowest index
             best, best_after = target, min(after)
     return best
+
+
+def is_empty(stages: list[Mapping[str, StageRecord]], target: int, circuit: str = "fast") -> bool:
+    """No peer of ``circuit`` has claimed stage ``target`` (ready or not): ``choose_move``'s empty."""
+    return not _peers(stages[target], circuit)
+
+
+def filler_rank(
+    stages: list[Mapping[str, StageRecord]], target: int, peer_id: str, circuit: str = "fast"
+) -> int:
+    """This node's place among the nodes that could fill the empty stage ``target``: the peers of the
+    other stages that ``choose_move`` lets leave (another peer of theirs is ready), in an order every
+    node computes the same from the same records (a hash of stage and peer id: no node always first).
+
+    Every such node sees the empty stage at about the same beat, and a mover's claim shows only once
+    it has left, restarted and published (17 s in the 16-node volunteer run, against a 0-3 beat
+    random wait): three nodes of one stage moved into an emptied stage within 3 s and left their own
+    without a peer. The caller waits longer the later its place, so the first's claim is seen first.
+    Not listed (its own record missed): last."""
+
+    def key(pid: str) -> str:
+        return hashlib.sha256(f"{target}:{pid}".encode()).hexdigest()
+
+    movers = []
+    for i, stage in enumerate(stages):
+        if i == target:
+            continue
+        peers = _peers(stage, circuit)
+        # as choose_move: a peer may leave while another peer of its stage is ready
+        movers += [pid for pid in peers if any(r.ready for q, r in peers.items() if q != pid)]
+    movers.sort(key=key)
+    return movers.index(peer_id) if peer_id in movers else len(movers)
 
 
 def move_reason(stages: list[Mapping[str, StageRecord]], target: int, circuit: str = "fast") -> str:
