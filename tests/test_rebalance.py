@@ -64,8 +64,8 @@ def test_the_nodes_that_would_fill_an_empty_stage_take_turns():
     ranks = {p: filler_rank(stages, 1, p) for p in would}
     assert sorted(ranks.values()) == list(range(6)), ranks
     assert filler_rank(stages, 1, "f") == 6  # not a mover (or its own record missed): last
-    shuffled = [dict(reversed(list(s.items()))) for s in reversed(stages)]  # records read in another order
-    assert {p: filler_rank(shuffled[::-1], 1, p) for p in would} == ranks
+    reread = [dict(reversed(list(s.items()))) for s in stages]  # each stage's records in another order
+    assert {p: filler_rank(reread, 1, p) for p in would} == ranks
     # the order is the target's own: over targets, the first filler is not always the same node
     many = swarm(*[{f"p{i}": 100, f"q{i}": 100} for i in range(4)], *[{} for _ in range(8)])
     firsts = {

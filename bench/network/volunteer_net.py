@@ -680,9 +680,10 @@ def _eval_cell(r: dict) -> str:
     ev = r.get("eval") or {}
     if "em_after" not in ev:
         return ev.get("error", "-")
-    em = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731  (no completions to match)
+    from node.local.launcher import _em  # swarm --eval's own wording ("n/a": no completions to match)
+
     return (
-        f"{em(ev['em_before'])} -> {em(ev['em_after'])} on {ev['n']} "
+        f"{_em(ev['em_before'])} -> {_em(ev['em_after'])} on {ev['n']} "
         f"({ev['loss_before']:.3f} -> {ev['loss_after']:.3f})"
     )
 
